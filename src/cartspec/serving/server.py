@@ -1,0 +1,212 @@
+"""Owned vLLM server processes.
+
+``VllmServer`` starts ``python -m vllm.entrypoints.openai.api_server`` in its own
+process group on a free loopback port, logs to a file, waits for ``/health``,
+and always stops the whole group: on ``__exit__``, on interpreter exit, and on
+SIGTERM/SIGINT of the caller. A start that fails raises ``DeploymentError``
+carrying the reason and the log tail.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .engine import engine_env, engine_versions
+from .spec import DeploymentSpec
+
+_LIVE: "weakref.WeakSet[VllmServer]" = weakref.WeakSet()
+
+
+class DeploymentError(RuntimeError):
+    """A deployment that could not start or died; ``log_tail`` says why."""
+
+    def __init__(self, message: str, log_tail: str = ""):
+        super().__init__(message + (f"\n--- vLLM log (last lines) ---\n{log_tail}" if log_tail else ""))
+        self.reason = message
+        self.log_tail = log_tail
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tail(path: Path, n: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _reason(log: str) -> str:
+    """The most telling line of a failed start."""
+    for line in reversed(log.splitlines()):
+        low = line.lower()
+        if any(k in low for k in ("error", "exception", "valueerror", "unsupported", "not found")):
+            return line.strip()[-400:]
+    return "the server exited before it became healthy"
+
+
+@dataclass
+class ServerInfo:
+    url: str
+    model_name: str
+    spec: dict[str, Any]
+    versions: dict[str, str]
+    log_path: str
+
+
+class VllmServer:
+    """Context manager owning one vLLM OpenAI-compatible server."""
+
+    def __init__(self, spec: DeploymentSpec, log_dir: str | Path = "runs/logs", port: int | None = None,
+                 model_dir: str | Path | None = None, head_dir: str | Path | None = None):
+        self.spec = spec
+        self.port = port or free_port()
+        self.log_dir = Path(log_dir)
+        self.model_dir = Path(model_dir) if model_dir else None
+        self.head_dir = Path(head_dir) if head_dir else None
+        self.proc: subprocess.Popen | None = None
+        self.log_path = self.log_dir / f"vllm-{spec.name}-{spec.label}-{self.port}.log"
+
+    # --- command line -----------------------------------------------------
+    def _resolve(self) -> tuple[Path, str | None]:
+        from ..model.registry import resolve_head, resolve_model
+
+        model = self.model_dir or resolve_model(self.spec.model)
+        head = None
+        sp = self.spec.speculative
+        if sp.method == "eagle3":
+            head = str(self.head_dir or resolve_head(sp.model))
+        elif sp.method == "draft_model":
+            head = str(self.head_dir or resolve_model(sp.model))
+        return Path(model), head
+
+    def command(self) -> list[str]:
+        model, head = self._resolve()
+        s = self.spec
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(model), "--served-model-name", s.name,
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
+               "--max-num-seqs", str(s.max_num_seqs), "--seed", str(s.seed),
+               "--uvicorn-log-level", "warning"]
+        if s.enforce_eager:
+            cmd.append("--enforce-eager")
+        spec_cfg = s.speculative.vllm_config(head)
+        if spec_cfg:
+            cmd += ["--speculative-config", json.dumps(spec_cfg),
+                    "--per-request-spec-decode-metrics", "detailed"]
+        return cmd + list(s.engine_args)
+
+    # --- lifecycle --------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "VllmServer":
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        cmd = self.command()
+        env = {**os.environ, **engine_env(), **self.spec.env}
+        self._log = self.log_path.open("w")
+        self._log.write("$ " + " ".join(cmd) + "\n")
+        self._log.flush()
+        # Own process group: stop() can kill the engine's worker children too.
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        _LIVE.add(self)
+        try:
+            self._wait_healthy(self.spec.start_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    log = tail(self.log_path)
+                    raise DeploymentError(f"vLLM exited with code {self.proc.returncode}: {_reason(log)}", log)
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1.0)
+        raise DeploymentError(f"vLLM did not become healthy within {timeout:.0f}s", tail(self.log_path))
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 15.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        try:  # the group may outlive its leader: make sure no worker is left
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        if getattr(self, "_log", None):
+            self._log.close()
+        _LIVE.discard(self)
+
+    def info(self) -> ServerInfo:
+        model, head = self._resolve()
+        return ServerInfo(url=self.url, model_name=self.spec.name, spec=self.spec.model_dump(mode="json"),
+                          versions={**engine_versions(), "model_dir": str(model), "head_dir": head or ""},
+                          log_path=str(self.log_path))
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _stop_all(*_: Any) -> None:
+    for server in list(_LIVE):
+        server.stop(grace=5.0)
+
+
+def _on_signal(signum, frame):  # noqa: ARG001
+    _stop_all()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+atexit.register(_stop_all)
+for _sig in (signal.SIGTERM, signal.SIGHUP):
+    try:
+        if signal.getsignal(_sig) in (signal.SIG_DFL, None):
+            signal.signal(_sig, _on_signal)
+    except (ValueError, OSError):  # not in the main thread
+        pass
