@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny random Llama with SmolLM2's tokenizer (vLLM CPU loads it)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=2,
+            num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
+
+
+def _smollm_tokenizer():
+    from transformers import AutoTokenizer
+
+    from cartspec.model.convert import bundled_gguf
+
+    g = bundled_gguf()
+    return AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """SmolLM2's tokenizer (with chat template), saved once per session."""
+    out = tmp_path_factory.mktemp("tokenizer")
+    _smollm_tokenizer().save_pretrained(out)
+    return out
+
+
+def make_tiny_llama(out: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                      **{**TINY, **overrides})
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    """4 layers, hidden 128, 2 heads of head_dim 64 (vLLM CPU rejects head_dim 16)."""
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer_dir)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_home(tmp_path_factory):
+    """Tests never write into the user's cache, except for the converted base (slow to rebuild)."""
+    os.environ.setdefault("CARTSPEC_TEST", "1")
+    yield
