@@ -3,8 +3,16 @@
 ``VllmServer`` starts ``python -m vllm.entrypoints.openai.api_server`` in its own
 process group on a free loopback port, logs to a file, waits for ``/health``,
 and always stops the whole group: on ``__exit__``, on interpreter exit, and on
-SIGTERM/SIGINT of the caller. A start that fails raises ``DeploymentError``
-carrying the reason and the log tail.
+SIGTERM/SIGHUP of the caller (Ctrl-C raises ``KeyboardInterrupt``, which
+unwinds through ``__exit__`` or ``atexit``). A start that fails raises
+``DeploymentError`` carrying the reason and the log tail.
+
+A caller can also die without running any Python (SIGKILL, OOM killer, a
+segfault). For that each server gets a watchdog: a tiny process in its own
+session that holds the read end of a pipe whose write end only the caller
+holds. The kernel closes that end however the caller dies; the watchdog sees
+EOF and kills the whole vLLM group. ``PR_SET_PDEATHSIG`` would only reach the
+direct child, not the engine-core processes vLLM spawns.
 """
 
 from __future__ import annotations
@@ -17,7 +25,6 @@ import socket
 import subprocess
 import sys
 import time
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +34,38 @@ import httpx
 from .engine import engine_env, engine_versions
 from .spec import DeploymentSpec
 
-_LIVE: "weakref.WeakSet[VllmServer]" = weakref.WeakSet()
+# Strong references: a server whose object the caller dropped must still be
+# stopped at exit (a WeakSet would forget it and leave vLLM running).
+_LIVE: "set[VllmServer]" = set()
+
+_WATCHDOG = r"""
+import os, select, signal, sys, time
+fd, pgid = int(sys.argv[1]), int(sys.argv[2])
+signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C meant for the caller is not for us
+signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+def group_alive():
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+while group_alive():
+    ready, _, _ = select.select([fd], [], [], 1.0)
+    if ready and not os.read(fd, 1):           # EOF: the caller is gone, however it died
+        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            end = time.monotonic() + grace
+            while time.monotonic() < end and group_alive():
+                time.sleep(0.2)
+        break
+"""
 
 
 class DeploymentError(RuntimeError):
@@ -81,6 +119,9 @@ class VllmServer:
         self.model_dir = Path(model_dir) if model_dir else None
         self.head_dir = Path(head_dir) if head_dir else None
         self.proc: subprocess.Popen | None = None
+        self._watchdog: subprocess.Popen | None = None
+        self._watch_fd: int | None = None
+        self._log = None
         self.log_path = self.log_dir / f"vllm-{spec.name}-{spec.label}-{self.port}.log"
 
     # --- command line -----------------------------------------------------
@@ -127,14 +168,50 @@ class VllmServer:
         self._log.flush()
         # Own process group: stop() can kill the engine's worker children too.
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         _LIVE.add(self)
         try:
+            self._start_watchdog(self.proc.pid)
             self._wait_healthy(self.spec.start_timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _start_watchdog(self, pgid: int) -> None:
+        read_fd, write_fd = os.pipe()  # both non-inheritable: vLLM never holds the write end
+        try:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-S", "-c", _WATCHDOG, str(read_fd), str(pgid)], pass_fds=(read_fd,),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+        self._watch_fd = write_fd
+
+    def restart(self) -> "VllmServer":
+        """Stop (if running) and start again on the same port, so clients keep their URL."""
+        self.stop()
+        return self.start()
+
+    def pids(self) -> list[int]:
+        """Every live process of this deployment (the server and the engine workers it spawned)."""
+        proc = self.proc
+        if proc is None:
+            return []
+        import psutil
+
+        out = []
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) == proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p.pid)
+            except (ProcessLookupError, psutil.Error, OSError):
+                continue
+        return out
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -158,6 +235,16 @@ class VllmServer:
         proc, self.proc = self.proc, None
         if proc is None:
             return
+        try:
+            self._stop_group(proc, grace)
+        finally:
+            self._stop_watchdog()
+            if self._log is not None:
+                self._log.close()
+                self._log = None
+            _LIVE.discard(self)
+
+    def _stop_group(self, proc: subprocess.Popen, grace: float) -> None:
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -175,9 +262,18 @@ class VllmServer:
             proc.wait(5)
         except subprocess.TimeoutExpired:
             pass
-        if getattr(self, "_log", None):
-            self._log.close()
-        _LIVE.discard(self)
+
+    def _stop_watchdog(self) -> None:
+        fd, self._watch_fd = self._watch_fd, None
+        if fd is not None:
+            os.close(fd)  # EOF: the watchdog finds the group gone and exits
+        wd, self._watchdog = self._watchdog, None
+        if wd is not None:
+            try:
+                wd.wait(3)
+            except subprocess.TimeoutExpired:
+                wd.kill()
+                wd.wait()
 
     def info(self) -> ServerInfo:
         model, head = self._resolve()

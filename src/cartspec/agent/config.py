@@ -1,0 +1,107 @@
+"""Typed service settings, kept in a YAML/TOML/JSON file like a ``DeploymentSpec``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..task.data import MAX_HISTORY_TURNS, MAX_QUERY_CHARS
+
+
+class CacheConfig(BaseModel):
+    """Hot cache of replies to repeated, normalised requests."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    max_entries: int = Field(4096, ge=1)
+    ttl_s: float = Field(600.0, gt=0, description="a cached reply older than this is asked again")
+    max_history_turns: int = Field(4, ge=0, description="longer conversations are rarely repeated: not cached")
+
+
+class RouterConfig(BaseModel):
+    """Speculative vs plain deployment per request. Off: everything goes to the speculative one.
+
+    Why route at all: on a CPU the draft's cost grows with the batch (a useless
+    head cost 13% at one stream, 60% at a batch of 8; design.md §4), and a
+    short reply leaves few tokens for the draft to win back its cost.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    policy: Literal["length", "load", "length+load"] = "length+load"
+    short_reply_tokens: int = Field(32, ge=0, description="expected reply at or under this -> plain")
+    max_speculative_inflight: int = Field(8, ge=1, description="at or over this many in flight -> plain")
+    prior_tokens: dict[str, float] = Field(default_factory=lambda: {"search": 40.0, "support": 70.0},
+                                           description="expected reply tokens before anything is observed")
+    ema_alpha: float = Field(0.1, gt=0, le=1, description="weight of each observed reply length")
+
+
+class AgentConfig(BaseModel):
+    """Everything the agent service needs besides its upstream deployments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    api_key: str | None = Field(None, description="when set, /v1/* needs 'Authorization: Bearer KEY' or 'X-API-Key'")
+    structured_outputs: bool = Field(True, description="constrain every reply with vLLM's JSON-schema decoding")
+    retry_unparsable: bool = Field(True, description="one constrained retry when a reply does not parse")
+    temperature: float = Field(0.0, ge=0, le=2)
+    max_tokens: dict[str, int] = Field(default_factory=lambda: {"search": 160, "support": 256})
+    upstream_timeout_s: float = Field(30.0, gt=0, description="one model call; past it -> 504")
+    request_timeout_s: float = Field(60.0, gt=0, description="a whole request, retries and queue included")
+    max_inflight: int = Field(64, ge=1, description="model calls in flight per deployment; more wait in queue")
+    max_queue: int = Field(1024, ge=0, description="waiting beyond this -> 503 overloaded")
+    probe_interval_s: float = Field(1.0, gt=0, description="health checks of a deployment that is down")
+    max_body_bytes: int = Field(64 * 1024, ge=1024)
+    max_query_chars: int = Field(MAX_QUERY_CHARS, ge=1)
+    max_history_turns: int = Field(MAX_HISTORY_TURNS, ge=0)
+    trace_path: Path | None = Field(None, description="JSONL, one line per request; None: no trace")
+    trace_max_bytes: int = Field(256 * 1024 * 1024, description="rotated to .1 past this size")
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AgentConfig":
+        if self.request_timeout_s < self.upstream_timeout_s:
+            raise ValueError("request_timeout_s must be >= upstream_timeout_s")
+        for task in ("search", "support"):
+            if task not in self.max_tokens:
+                raise ValueError(f"max_tokens needs an entry for {task!r}")
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path) -> "AgentConfig":
+        path = Path(path)
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        elif path.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+        return cls.model_validate(data)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        data = self.model_dump(mode="json")
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(data, sort_keys=False))
+        else:
+            path.write_text(json.dumps(data, indent=2))
+        return path
+
+    def public(self) -> dict:
+        """The settings as /v1/info shows them: never the key."""
+        return self.model_dump(mode="json", exclude={"api_key"}) | {"api_key_set": self.api_key is not None}

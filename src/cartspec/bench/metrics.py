@@ -1,0 +1,112 @@
+"""vLLM's Prometheus ``/metrics``: speculative-decoding counters read around a point.
+
+The counters are cumulative over the server's life, so a point's acceptance is
+the difference of two scrapes: one after the warm-up, one after the last
+measured request. Metric names as vLLM 0.32 exports them (``_total`` suffix on
+counters); series of several engines or models are summed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import httpx
+
+from .results import SpecStats
+
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{([^}]*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """``(name, labels, value)`` for every sample line; comments and ``_created`` series skipped."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+        if name.endswith("_created"):
+            continue
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        out.append((name, dict(_LABEL.findall(labels)), v))
+    return out
+
+
+@dataclass
+class SpecCounters:
+    """One scrape of the speculative-decoding counters (``present`` false when the server has none)."""
+
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted: float = 0.0
+    per_pos: dict[int, float] = field(default_factory=dict)
+    present: bool = False
+
+    @classmethod
+    def from_text(cls, text: str) -> "SpecCounters":
+        c = cls()
+        for name, labels, value in parse_prometheus(text):
+            base = name[:-6] if name.endswith("_total") else name
+            if base == DRAFTS:
+                c.drafts += value
+            elif base == DRAFT_TOKENS:
+                c.draft_tokens += value
+            elif base == ACCEPTED:
+                c.accepted += value
+            elif base == ACCEPTED_PER_POS and "position" in labels:
+                pos = int(labels["position"])
+                c.per_pos[pos] = c.per_pos.get(pos, 0.0) + value
+            else:
+                continue
+            c.present = True
+        return c
+
+    def __sub__(self, before: "SpecCounters") -> "SpecCounters":
+        positions = sorted(set(self.per_pos) | set(before.per_pos))
+        return SpecCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
+                            self.accepted - before.accepted,
+                            {p: self.per_pos.get(p, 0.0) - before.per_pos.get(p, 0.0) for p in positions},
+                            self.present or before.present)
+
+    def stats(self) -> SpecStats | None:
+        """Acceptance over the interval; None when the server does not speculate."""
+        if not self.present or self.drafts <= 0:
+            return None
+        n = max(self.per_pos) + 1 if self.per_pos else 0
+        return SpecStats(drafts=self.drafts, draft_tokens=self.draft_tokens, accepted=self.accepted,
+                         accepted_per_pos=[self.per_pos.get(i, 0.0) for i in range(n)], source="metrics")
+
+
+async def scrape(http: httpx.AsyncClient, base_url: str) -> SpecCounters | None:
+    """The server's counters, or None when it has no ``/metrics`` (not every server is vLLM)."""
+    try:
+        r = await http.get(base_url.rstrip("/") + "/metrics", timeout=10.0)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    return SpecCounters.from_text(r.text)
+
+
+def stats_from_responses(specs: list[dict]) -> SpecStats | None:
+    """Fallback when ``/metrics`` is unavailable: vLLM's per-request speculative metrics, summed."""
+    specs = [s for s in specs if s]
+    if not specs:
+        return None
+    drafts = sum(s.get("num_spec_steps", 0) for s in specs)
+    if not drafts:
+        return None
+    return SpecStats(drafts=drafts, draft_tokens=sum(s.get("num_draft_tokens", 0) for s in specs),
+                     accepted=sum(s.get("num_accepted_draft_tokens", 0) for s in specs), source="responses")

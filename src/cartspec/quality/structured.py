@@ -1,0 +1,86 @@
+"""Structured accuracy of a served model: JSON validity, schema validity, fields, exact match."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from ..task.data import Request, read_requests
+from ..task.generator import DEFAULT_SIZES, generate
+from ..task.prompts import messages
+from ..task.schema import json_schema
+from ..task.score import aggregate, score_item
+
+SPLITS = ("train", "dev", "test")
+
+
+def load_requests(data: str, limit: int | None = None) -> list[Request]:
+    """A split name (generated, seeded) or a JSONL request file."""
+    if data in SPLITS:
+        reqs = generate(data, DEFAULT_SIZES[data])  # type: ignore[arg-type]
+    else:
+        reqs = read_requests(data)
+    return reqs[:limit] if limit else reqs
+
+
+async def _ask_all(url: str, served_name: str, reqs: list[Request], concurrency: int, max_tokens: int,
+                   structured: bool, temperature: float = 0.0) -> list[Any]:
+    from rich.progress import Progress
+
+    from ..serving.client import ChatClient, gather_limited
+
+    async with ChatClient(url, served_name) as client:
+        with Progress(transient=False) as bar:
+            task = bar.add_task("requests", total=len(reqs))
+            coros = [client.chat(messages(r), max_tokens=max_tokens, temperature=temperature,
+                                 json_schema=json_schema(r.task) if structured else None) for r in reqs]
+            return await gather_limited(coros, concurrency, on_done=lambda i, _: bar.advance(task))
+
+
+def score_replies(reqs: list[Request], replies: list[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    items, rows = [], []
+    for req, rep in zip(reqs, replies):
+        text = rep.text if not isinstance(rep, Exception) else ""
+        item = score_item(req, text)
+        items.append(item)
+        rows.append({"id": req.id, "task": req.task, "query": req.query, "reply": text,
+                     "error": str(rep) if isinstance(rep, Exception) else item.error,
+                     "json_valid": item.json_valid, "schema_valid": item.schema_valid,
+                     "exact": item.exact, "wrong_fields": [k for k, ok in item.fields.items() if not ok]})
+    summary = aggregate(items, reqs)
+    summary["n_request_errors"] = sum(isinstance(r, Exception) for r in replies)
+    return summary, rows
+
+
+def evaluate_model(model: str = "commerce", data: str = "test", out: Path = Path("runs/eval-model.json"),
+                   server: str | None = None, served_name: str = "cartspec", structured: bool = False,
+                   concurrency: int = 16, max_tokens: int = 160, limit: int | None = None,
+                   log_dir: Path = Path("runs/logs")) -> dict[str, Any]:
+    from ..serving.engine import engine_versions
+    from ..serving.server import VllmServer
+    from ..serving.spec import DeploymentSpec
+
+    reqs = load_requests(data, limit)
+    t0 = time.time()
+    meta: dict[str, Any] = {"model": model, "data": data, "structured": structured, "temperature": 0.0,
+                            "max_tokens": max_tokens}
+    if server:
+        replies = asyncio.run(_ask_all(server, served_name, reqs, concurrency, max_tokens, structured))
+        meta["server"] = server
+    else:
+        spec = DeploymentSpec(name=served_name, model=model)
+        with VllmServer(spec, log_dir=log_dir) as srv:
+            meta["deployment"] = srv.info().__dict__
+            replies = asyncio.run(_ask_all(srv.url, served_name, reqs, concurrency, max_tokens, structured))
+    summary, rows = score_replies(reqs, replies)
+    summary["meta"] = {**meta, "seconds": round(time.time() - t0, 1), "versions": engine_versions()}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2))
+    with out.with_suffix(".replies.jsonl").open("w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+    return summary

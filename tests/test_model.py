@@ -1,0 +1,115 @@
+"""The served model is what we think it is: conversion keeps the GGUF's function,
+merging keeps the adapter's function, training resumes where it stopped."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cartspec.model.convert import ModelNotFound, bundled_gguf, convert_gguf
+from cartspec.model.lora import LoraConfig, merge_adapter, train_lora
+from cartspec.model.registry import resolve_model
+from cartspec.task.generator import generate
+
+
+def _logits(model, tok, text):
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        return model(ids).logits[0].float()
+
+
+@pytest.mark.slow
+def test_converted_model_matches_gguf_loaded_model(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = bundled_gguf()
+    out = convert_gguf(gguf, out=tmp_path / "base")
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    assert "quantization_config" not in (out / "config.json").read_text()
+    ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    conv = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "<|im_start|>user\nred trail running shoes under $120, size 10, no nike<|im_end|>\n<|im_start|>assistant\n"
+    a, b = _logits(ref, tok, text), _logits(conv, tok, text)
+    # bf16 storage rounds weights; the function must not change.
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    assert cos.min() > 0.999
+    # cached: a second call does not convert again
+    mtime = (out / "model.safetensors").stat().st_mtime
+    assert convert_gguf(gguf, out=out) == out and (out / "model.safetensors").stat().st_mtime == mtime
+
+
+def test_missing_model_errors_say_what_to_do(tmp_path):
+    with pytest.raises(ModelNotFound, match="not found"):
+        resolve_model(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFound, match="no config.json"):
+        resolve_model(str(tmp_path / "empty"))
+    with pytest.raises(ModelNotFound, match="GGUF file not found"):
+        convert_gguf(tmp_path / "x.gguf", out=tmp_path / "o")
+
+
+def _adapter(tiny_llama_dir, out, steps_seed=0):
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(steps_seed)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    model = get_peft_model(model, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                 task_type="CAUSAL_LM"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero; make the adapter do something
+            torch.nn.init.normal_(p, std=0.05)
+    model.save_pretrained(out)
+    return model
+
+
+def test_merged_model_equals_base_plus_adapter(tiny_llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    peft_model = _adapter(tiny_llama_dir, tmp_path / "adapter").eval()
+    merged_dir = merge_adapter(tiny_llama_dir, tmp_path / "adapter", tmp_path / "merged", dtype="float32")
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(merged_dir)
+    a = _logits(peft_model, tok, "blue hoodie size m")
+    b = _logits(merged, tok, "blue hoodie size m")
+    c = _logits(base, tok, "blue hoodie size m")
+    assert torch.allclose(a, b, atol=1e-4)
+    assert not torch.allclose(a, c, atol=1e-3)  # the adapter really changed the function
+
+
+def test_lora_training_resumes_where_it_stopped(tiny_llama_dir, tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    data = generate("train", 24)
+    cfg = LoraConfig(r=4, alpha=8, batch_size=4, save_every=2, warmup_steps=1, lr=1e-3)
+    full = train_lora(tiny_llama_dir, data, tmp_path / "full", cfg, progress=False)
+
+    calls = {"n": 0}
+    real_step = torch.optim.AdamW.step
+
+    def crashing_step(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt("simulated crash")
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", crashing_step)
+    with pytest.raises(KeyboardInterrupt):
+        train_lora(tiny_llama_dir, data, tmp_path / "resumed", cfg, progress=False)
+    assert (tmp_path / "resumed" / "checkpoint" / "state.json").exists()
+    monkeypatch.setattr(torch.optim.AdamW, "step", real_step)
+    resumed = train_lora(tiny_llama_dir, data, tmp_path / "resumed", cfg, progress=False)
+
+    import json
+
+    log = json.loads((resumed / "training_log.json").read_text())["log"]
+    assert [e["step"] for e in log] == list(range(1, 7))  # no step lost, none redone
+    a = load_file(full / "adapter_model.safetensors")
+    b = load_file(resumed / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k

@@ -1,0 +1,122 @@
+"""The generator is the ground truth of every accuracy figure: it must be
+deterministic, cover every field and phrasing family, and keep test unseen."""
+
+import json
+from collections import Counter
+
+import pytest
+
+from cartspec.task import generator as g
+from cartspec.task.data import Request
+from cartspec.task.schema import SCHEMAS, SearchParams, SupportReply, canonical_dict
+
+
+@pytest.fixture(scope="module")
+def train():
+    return g.generate("train", 3000)
+
+
+@pytest.fixture(scope="module")
+def test_split():
+    return g.generate("test", 1500)
+
+
+def test_same_seed_same_requests():
+    a = [r.model_dump() for r in g.generate("dev", 200)]
+    b = [r.model_dump() for r in g.generate("dev", 200)]
+    assert a == b
+    c = [r.model_dump() for r in g.generate("dev", 200, seed=7)]
+    assert a != c
+
+
+def test_splits_differ_and_ids_unique(train, test_split):
+    assert len({r.id for r in train}) == len(train)
+    train_q = {(r.query, tuple(t.content for t in r.history)) for r in train}
+    overlap = sum((r.query, tuple(t.content for t in r.history)) in train_q for r in test_split)
+    # Support one-liners like "return window?" may recur; search queries must not.
+    assert overlap / len(test_split) < 0.05
+
+
+def test_gold_validates_and_is_canonical(train):
+    for r in train:
+        model = SCHEMAS[r.task].model_validate(r.gold)
+        assert canonical_dict(model) == r.gold
+
+
+def test_every_search_field_is_exercised(train):
+    set_fields = Counter(k for r in train if r.task == "search" for k in r.gold)
+    for name in SearchParams.model_fields:
+        assert set_fields[name] >= 20, f"field {name} appears only {set_fields[name]} times"
+    intents = Counter(r.gold["intent"] for r in train)
+    assert {"search", "refine", "compare", "support"} <= set(intents)
+    topics = Counter(r.gold["topic"] for r in train if r.task == "support")
+    assert set(topics) == {t.value for t in SupportReply.model_fields["topic"].annotation}
+
+
+def test_phrasing_families_covered(train, test_split):
+    fams_train = Counter(f for r in train for f in r.meta["families"])
+    families = {f.split(":")[0] for f in fams_train}
+    for fam in ("typo", "color", "negation", "size", "price_max", "price_min", "price_range", "rating",
+                "sort", "delivery", "in_stock", "audience", "material", "compare", "amount",
+                "currency_USD", "currency_EUR", "currency_GBP", "currency_JPY", "currency_CAD",
+                "refine_cheaper", "refine_color_swap", "refine_drop_brand", "refine_exclude", "refine_price"):
+        assert fam in families, fam
+    assert fams_train["color:abbrev"] > 0 and fams_train["size:word"] > 0 and fams_train["amount:k"] > 0
+    # Train never uses a held-out phrasing; test uses plenty.
+    assert not any(f.endswith(":held") for f in fams_train)
+    held = sum(any(f.endswith(":held") for f in r.meta["families"]) for r in test_split)
+    assert held / len(test_split) > 0.5
+
+
+def test_test_split_uses_values_never_seen_in_training(train, test_split):
+    def values(reqs):
+        out = set()
+        for r in reqs:
+            for k in ("keywords", "material", "size"):
+                if r.gold.get(k):
+                    out.add((k, r.gold[k]))
+            for k in ("brands_include", "brands_exclude", "colors"):
+                out.update((k, v) for v in r.gold.get(k, []))
+        return out
+
+    unseen = values(test_split) - values(train)
+    kinds = {k for k, _ in unseen}
+    assert {"keywords", "brands_include", "colors", "material", "size"} <= kinds
+    frac = sum(bool(values([r]) - values(train)) for r in test_split) / len(test_split)
+    assert frac > 0.3
+
+
+def test_slang_and_units_resolve_to_canonical_values():
+    reqs = g.generate("train", 3000)
+    by_fam = {}
+    for r in reqs:
+        for f in r.meta["families"]:
+            by_fam.setdefault(f, r)
+    r = by_fam["color:abbrev"]
+    assert any(v in g.COLOR_ABBREV for v in r.gold["colors"])
+    r = by_fam["amount:k"]
+    assert max(r.gold.get("price_max", 0), r.gold.get("price_min", 0)) >= 1000
+    r = next(r for r in reqs if "bucks" in r.query and "price_max" in r.gold)
+    assert r.gold["currency"] == "USD"
+
+
+def test_refinement_gold_merges_history():
+    reqs = [r for r in g.generate("train", 2000) if r.meta["kind"] == "refine"]
+    assert reqs
+    for r in reqs:
+        prev = json.loads(r.history[-1].content)
+        assert r.gold["intent"] == "refine"
+        assert r.gold["keywords"] == prev["keywords"] and r.gold["category"] == prev["category"]
+    drop = [r for r in reqs if r.meta["last_step"] == "refine_drop_brand"]
+    assert drop and all("brands_include" not in r.gold for r in drop)
+    assert all(json.loads(r.history[-1].content).get("brands_include") for r in drop)
+
+
+def test_requests_roundtrip_jsonl(tmp_path):
+    from cartspec.task.data import read_requests, write_requests
+
+    reqs = g.generate("dev", 50)
+    path = write_requests(tmp_path / "dev.jsonl", reqs)
+    back = read_requests(path)
+    assert [r.model_dump() for r in back] == [r.model_dump() for r in reqs]
+    assert isinstance(back[0], Request)
