@@ -99,7 +99,18 @@ def eval_model(
     console.print(f"scores -> {out}")
 
 
-# --- stage commands registered by each package (one line each) ---------------
+# --- stage commands that live beside their stage -------------------------------
+def _register_stages() -> None:
+    from .agent.cli import serve
+    from .bench.cli import register as register_bench
+    from .draft.cli import app as draft_app
+
+    app.command("serve")(serve)
+    app.add_typer(draft_app, name="draft")
+    register_bench(app)  # study, report
+
+
+_register_stages()
 
 
 def main() -> None:  # pragma: no cover
