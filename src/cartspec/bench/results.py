@@ -86,7 +86,7 @@ class PointConfig(BaseModel):
     warmup: int = 0
     max_tokens: int = 128
     structured: bool = False
-    seed: int = 0
+    seed: int = Field(0, description="per-request sampling seeds derive from it at T > 0; negative: none sent")
     slo_e2el_s: float = 2.0
 
     @property
@@ -237,7 +237,13 @@ def results_path(run_dir: str | Path) -> Path:
 
 
 def append_result(run_dir: str | Path, result: PointResult) -> None:
-    append_jsonl(results_path(run_dir), result)
+    path = results_path(run_dir)
+    if path.exists() and path.stat().st_size:
+        with path.open("rb+") as fh:  # a torn last line from a kill must not swallow this record
+            fh.seek(-1, 2)
+            if fh.read(1) != b"\n":
+                fh.write(b"\n")
+    append_jsonl(path, result)
 
 
 def load_results(run_dir: str | Path) -> list[PointResult]:

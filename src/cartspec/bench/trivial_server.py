@@ -44,6 +44,9 @@ class _Counters:
     accepted: float = 0.0
     per_pos: list[float] = field(default_factory=list)
     requests: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    seeds: list = field(default_factory=list)  # the "seed" of each chat request, None when absent
 
 
 class TrivialServer:
@@ -73,7 +76,13 @@ class TrivialServer:
                            (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
                 body = await reader.readexactly(int(headers.get("content-length", 0) or 0))
                 if method == "POST" and path.startswith("/v1/chat/completions"):
-                    await self._chat(json.loads(body or b"{}"), writer)
+                    c = self.counters
+                    c.in_flight += 1
+                    c.max_in_flight = max(c.max_in_flight, c.in_flight)
+                    try:
+                        await self._chat(json.loads(body or b"{}"), writer)
+                    finally:
+                        c.in_flight -= 1
                 elif path.startswith("/metrics"):
                     self._plain(writer, 200, self.metrics_text(), "text/plain; version=0.0.4")
                 elif path.startswith("/health"):
@@ -86,8 +95,8 @@ class TrivialServer:
                 else:
                     self._plain(writer, 404, "not found")
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError):
-            pass
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.LimitOverrunError, asyncio.CancelledError):
+            pass  # a client that hangs up, or the server stopping: neither is an error here
         finally:
             writer.close()
 
@@ -110,6 +119,7 @@ class TrivialServer:
         ttft, itl = float(knobs.get("ttft_s", c.ttft_s)), float(knobs.get("itl_s", c.itl_s))
         per_chunk = int(knobs.get("tokens_per_chunk", c.tokens_per_chunk))
         self.counters.requests += 1
+        self.counters.seeds.append(body.get("seed"))
         if knobs.get("fail"):
             self._plain(writer, 500, json.dumps({"error": {"message": "injected failure"}}), "application/json")
             return
@@ -200,11 +210,15 @@ class TrivialServer:
         if loop and loop.is_running():
             async def shutdown():
                 self._server.close()
-                for task in asyncio.all_tasks():
-                    if task is not asyncio.current_task():
-                        task.cancel()
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
-            asyncio.run_coroutine_threadsafe(shutdown(), loop)
+            try:
+                asyncio.run_coroutine_threadsafe(shutdown(), loop).result(5)
+            except Exception:  # already stopping: nothing left to cancel
+                pass
         if self._thread:
             self._thread.join(5)
 

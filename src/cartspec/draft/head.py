@@ -82,7 +82,7 @@ class HeadConfig:
                    head_dim=int(target_cfg.get("head_dim") or H // nh),
                    vocab_size=int(target_cfg["vocab_size"]), draft_vocab_size=int(draft_vocab_size),
                    target_hidden_size=H,
-                   aux_layer_ids=list(aux_layer_ids or default_aux_layer_ids(L)),
+                   aux_layer_ids=canonical_layer_ids(aux_layer_ids or default_aux_layer_ids(L)),
                    rms_norm_eps=float(target_cfg.get("rms_norm_eps", 1e-5)), rope_theta=float(theta),
                    rope_scaling=scaling,
                    max_position_embeddings=int(target_cfg.get("max_position_embeddings", 2048)),
@@ -91,8 +91,15 @@ class HeadConfig:
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """vLLM's default for Llama (``get_eagle3_default_aux_hidden_state_layers``)."""
-    return [2, num_layers // 2, num_layers - 3]
+    """vLLM's default for Llama (``get_eagle3_default_aux_hidden_state_layers``),
+    canonicalised the way its model runner applies them: sorted, without
+    duplicates (``_set_aux_hidden_state_layers``); the aux states reach the head
+    concatenated in that order."""
+    return canonical_layer_ids([2, num_layers // 2, num_layers - 3])
+
+
+def canonical_layer_ids(ids) -> list[int]:
+    return sorted(set(int(i) for i in ids))
 
 
 class RMSNorm(nn.Module):
@@ -259,10 +266,10 @@ class Eagle3Head(nn.Module):
         K0, V0 = self._kv(x_all, cos, sin)  # [B, T, nkv, d]
         K0 = K0.repeat_interleave(nrep, dim=2).transpose(1, 2)  # [B, nh, T, d]
         V0 = V0.repeat_interleave(nrep, dim=2).transpose(1, 2)
-        # queries only at chain starts; causal mask j <= i (and j < length)
+        # queries only at chain starts, scattered into the dense [B, T] layout for attention
         j = torch.arange(T, device=dev)
-        mask0 = (j[None, :] <= ti[:, None]) & (j[None, :] < lengths[bi][:, None])  # [N, T]
-        K0n, V0n = K0[bi], V0[bi]  # [N, nh, T, d]
+        causal = (j[None, :] <= j[:, None])[None, None]  # [1, 1, Tq, Tk]
+        keep = causal & (j < lengths[:, None])[:, None, None, :]  # [B, 1, T, T]
 
         hidden = h_all[bi, ti]
         diag_k: list[torch.Tensor] = []
@@ -275,25 +282,28 @@ class Eagle3Head(nn.Module):
             x, residual = self._qkv_in(F.embedding(tok, emb_w).to(hidden.dtype), hidden)
             cs, sn = self._rope(ti + s)
             q = self._q(x, cs, sn)  # [N, nh, d]
-            if s == 0:
-                # the query's own key is K0 at i: already in the causal block
-                pass
-            else:
+            if s > 0:  # at step 0 the query's own key is K0 at i, already in the causal block
                 k, v = self._kv(x, cs, sn)
-                diag_k.append(k.repeat_interleave(nrep, dim=1))
-                diag_v.append(v.repeat_interleave(nrep, dim=1))
-            sc0 = torch.einsum("nhd,nhtd->nht", q.float(), K0n.float()) * scale
-            sc0 = sc0.masked_fill(~mask0[:, None, :], float("-inf"))
+                diag_k.append(k.repeat_interleave(nrep, dim=1).float())
+                diag_v.append(v.repeat_interleave(nrep, dim=1).float())
+            qd = q.new_zeros(B, T, a.nh, a.d, dtype=torch.float32).index_put((bi, ti), q.float())
+            sc0 = torch.einsum("bthd,bhjd->bhtj", qd, K0.float()) * scale
+            sc0 = sc0.masked_fill(~keep, float("-inf"))[bi, :, ti]  # [N, nh, T]
             if diag_k:
                 kd = torch.stack(diag_k, dim=2)  # [N, nh, s, d]
                 vd = torch.stack(diag_v, dim=2)
-                scd = torch.einsum("nhd,nhsd->nhs", q.float(), kd.float()) * scale
+                scd = torch.einsum("nhd,nhsd->nhs", q.float(), kd) * scale
                 p = torch.softmax(torch.cat([sc0, scd], dim=-1), dim=-1)
-                att = torch.einsum("nht,nhtd->nhd", p[..., :T], V0n.float()) + \
-                    torch.einsum("nhs,nhsd->nhd", p[..., T:], vd.float())
+                pd = p[..., :T]
+                extra = torch.einsum("nhs,nhsd->nhd", p[..., T:], vd)
             else:
-                p = torch.softmax(sc0, dim=-1)
-                att = torch.einsum("nht,nhtd->nhd", p, V0n.float())
+                pd = torch.softmax(sc0, dim=-1)
+                extra = None
+            # back to dense for the value product: [B, nh, T, T] @ [B, nh, T, d]
+            pdense = pd.new_zeros(B, T, a.nh, T).index_put((bi, ti), pd).transpose(1, 2)
+            att = torch.matmul(pdense, V0.float()).transpose(1, 2)[bi, ti]  # [N, nh, d]
+            if extra is not None:
+                att = att + extra
             logits, hidden = self._after_attn(att.to(x.dtype), residual)
             out.append({"logits": logits, "valid": valid, "hidden": hidden})
         return out

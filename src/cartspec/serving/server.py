@@ -217,15 +217,18 @@ class VllmServer:
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
+                proc = self.proc
+                if proc is None:  # stop() from another thread while we waited
+                    raise DeploymentError("vLLM was stopped while it was starting")
+                if proc.poll() is not None:
                     log = tail(self.log_path)
-                    raise DeploymentError(f"vLLM exited with code {self.proc.returncode}: {_reason(log)}", log)
+                    raise DeploymentError(f"vLLM exited with code {proc.returncode}: {_reason(log)}", log)
                 try:
                     if client.get(self.url + "/health").status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass
-                time.sleep(1.0)
+                time.sleep(0.25)
         raise DeploymentError(f"vLLM did not become healthy within {timeout:.0f}s", tail(self.log_path))
 
     def alive(self) -> bool:

@@ -1,0 +1,151 @@
+"""cartspec's load generator against GuideLLM (vllm-project/guidellm) on the same vLLM deployment.
+
+Same deployment, same concurrency, same requests: GuideLLM generates synthetic
+prompts of ``--prompt-tokens`` and asks for exactly ``--output-tokens``
+(``ignore_eos``); its JSON output records every request body, and cartspec
+replays those very messages with the same token budget. Compared: output
+throughput, TTFT p50 and TPOT p50 (GuideLLM calls our TPOT "inter-token
+latency": (last − first token) / (tokens − 1); its own "TPOT" includes the
+first token). Goal: within 10%.
+
+GuideLLM pins click 8.4 (cartspec's venv has a newer one), so it lives in its
+own venv: ``python -m venv ~/.cache/cartspec/guidellm-venv &&
+~/.cache/cartspec/guidellm-venv/bin/pip install guidellm``; pass its binary with
+``--guidellm`` if elsewhere.
+
+    flock /tmp/cartspec-heavy.lock python benchmarks/guidellm_compare.py --model commerce --concurrency 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from statistics import median
+
+from cartspec.bench.loadgen import ChatRequest, LoadConfig, run_load
+from cartspec.bench.results import PointConfig, PointResult
+
+DEFAULT_GUIDELLM = Path.home() / ".cache/cartspec/guidellm-venv/bin/guidellm"
+
+
+def run_guidellm(exe: str, url: str, model: str, tokenizer: str, streams: int, n: int, prompt_tokens: int,
+                 output_tokens: int, out: Path) -> dict:
+    cmd = [exe, "run",
+           "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/chat/completions",
+           "--profile", f"kind=concurrent,streams={streams}",
+           "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+           "--tokenizer", f"kind=hf_auto,model={tokenizer}",
+           "--constraint", f"kind=max_requests,count={n}",
+           "--output", f"kind=json,path={out}", "--disable-progress"]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"guidellm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    data = json.loads(out.read_text())
+    bench = data["benchmarks"][0]
+    m = bench["metrics"]
+    ok = bench["requests"]["successful"]
+    return {
+        "seconds_incl_startup": time.monotonic() - t0,
+        "requests": len(ok), "errors": len(bench["requests"].get("errored") or []),
+        "duration_s": bench["duration"],
+        "output_throughput": m["output_token_count"]["successful"]["total_sum"] / bench["duration"],
+        "output_tokens_per_second_mean": m["output_tokens_per_second"]["successful"]["mean"],
+        "ttft_p50": m["time_to_first_token_ms"]["successful"]["median"] / 1000,
+        "tpot_p50": m["inter_token_latency_ms"]["successful"]["median"] / 1000,
+        "output_tokens_p50": m["output_token_count"]["successful"]["median"],
+        "bodies": [json.loads(r["request_args"])["body"] for r in ok],
+    }
+
+
+def run_cartspec(url: str, model: str, bodies: list[dict], streams: int, output_tokens: int,
+                 continuous_usage: bool = True) -> dict:
+    # GuideLLM asks for usage on every chunk (continuous_usage_stats), which costs the server work per
+    # token; by default cartspec sends the very same stream options so both measure the same job.
+    stream_options = {"include_usage": True, "continuous_usage_stats": continuous_usage}
+    reqs = [ChatRequest(messages=b["messages"], id=str(i), max_tokens=output_tokens,
+                        extra={"ignore_eos": True, "stream_options": stream_options}) for i, b in enumerate(bodies)]
+    cfg = LoadConfig(concurrency=streams, n_requests=len(reqs), warmup=0)
+    res = asyncio.run(run_load(url, model, reqs, cfg))
+    point = PointResult.measured(PointConfig(deployment="x", method="none", concurrency=streams,
+                                             n_requests=len(reqs)), res.records, res.wall_s, res.spec)
+    return {"requests": point.n_requests, "errors": point.n_errors, "duration_s": point.wall_s,
+            "output_throughput": point.output_throughput, "ttft_p50": point.ttft_p50, "tpot_p50": point.tpot_p50,
+            "output_tokens_p50": median(r.output_tokens for r in res.records if r.ok)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="commerce", help="commerce | base | PATH (started here with vLLM)")
+    ap.add_argument("--server", help="an already running endpoint instead (then --tokenizer is required)")
+    ap.add_argument("--served-name", default=None)
+    ap.add_argument("--tokenizer", help="HF directory whose tokenizer builds the synthetic prompts")
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--requests", type=int, default=None, help="per concurrency (default 8 × concurrency, min 12)")
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--guidellm", default=shutil.which("guidellm") or str(DEFAULT_GUIDELLM))
+    ap.add_argument("--out", type=Path, default=Path("runs/benchmarks"))
+    ap.add_argument("--no-continuous-usage", action="store_true",
+                    help="cartspec without GuideLLM's per-chunk usage (its own default), to see what that costs")
+    a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+
+    from contextlib import nullcontext
+
+    from cartspec.serving.server import VllmServer
+    from cartspec.serving.spec import DeploymentSpec
+
+    if a.server:
+        ctx, url, name, tok = nullcontext(), a.server, a.served_name, a.tokenizer
+    else:
+        from cartspec.model.registry import resolve_model
+
+        spec = DeploymentSpec(model=a.model)
+        server = VllmServer(spec, log_dir=a.out / "logs")
+        ctx, url, name, tok = server, server.url, spec.name, a.tokenizer or str(resolve_model(a.model))
+    rows = []
+    with ctx:
+        if name is None:
+            from cartspec.bench.sweep import served_model_name
+
+            name = served_model_name(url)
+        for c in [int(x) for x in a.concurrency.split(",")]:
+            n = a.requests or max(12, 8 * c)
+            # warm the server (compile caches, first batch shapes) with cartspec before either tool measures
+            g = run_guidellm(a.guidellm, url, name, tok, c, n, a.prompt_tokens, a.output_tokens,
+                             a.out / f"guidellm-c{c}.json")
+            cu = not a.no_continuous_usage
+            run_cartspec(url, name, g["bodies"][: max(c, 4)], c, a.output_tokens, cu)
+            ours = run_cartspec(url, name, g["bodies"], c, a.output_tokens, cu)
+            g2 = run_guidellm(a.guidellm, url, name, tok, c, n, a.prompt_tokens, a.output_tokens,
+                              a.out / f"guidellm-c{c}-2.json")
+            bodies = g.pop("bodies")
+            g2.pop("bodies")
+            row = {"concurrency": c, "requests": n, "cartspec_continuous_usage": cu, "prompt_tokens": a.prompt_tokens,
+                   "output_tokens": a.output_tokens, "guidellm": g2, "guidellm_first": g, "cartspec": ours}
+            for k in ("output_throughput", "ttft_p50", "tpot_p50"):
+                row[f"{k}_diff"] = ours[k] / g2[k] - 1 if g2[k] else None
+            rows.append(row)
+            print(f"c={c:2d} n={n:3d}  output tok/s: cartspec {ours['output_throughput']:.1f} guidellm "
+                  f"{g2['output_throughput']:.1f} ({row['output_throughput_diff']:+.1%}) [first guidellm run "
+                  f"{g['output_throughput']:.1f}] | TTFT p50: {1000 * ours['ttft_p50']:.0f} vs "
+                  f"{1000 * g2['ttft_p50']:.0f} ms ({row['ttft_p50_diff']:+.1%}) | TPOT p50: "
+                  f"{1000 * ours['tpot_p50']:.1f} vs {1000 * g2['tpot_p50']:.1f} ms ({row['tpot_p50_diff']:+.1%})"
+                  f" | same bodies: {len(bodies)}", flush=True)
+    path = a.out / "guidellm_compare.json"
+    path.write_text(json.dumps({"server": url, "model": a.model if not a.server else name, "rows": rows}, indent=2))
+    within = all(abs(r[f"{k}_diff"]) <= 0.10 for r in rows for k in ("output_throughput", "ttft_p50", "tpot_p50")
+                 if r[f"{k}_diff"] is not None)
+    print(f"{'within' if within else 'NOT within'} 10% on every metric -> {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,414 @@
+"""The agent's HTTP API.
+
+``POST /v1/search``  {query, history?} -> SearchParams (every field, typed)
+``POST /v1/support`` {query, history?} -> SupportReply
+``GET /health`` (liveness, with upstream state), ``GET /ready`` (503 while no
+deployment answers), ``GET /metrics`` (Prometheus), ``GET /v1/info`` (what runs).
+
+Every error is ``{"error": {"type", "reason", "request_id"}}`` with a 4xx for
+what the caller can fix and a 5xx for what the deployment did. Each request
+writes one trace line and updates the metrics, whatever its outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..serving.client import UpstreamError
+from ..task.data import Request as TaskRequest
+from ..task.data import Turn
+from ..task.parse import read_reply
+from ..task.prompts import messages as task_messages
+from ..task.schema import SearchParams, SupportReply, json_schema
+from .cache import CoalescedCancelled, HotCache, request_key
+from .config import AgentConfig
+from .metrics import AgentMetrics
+from .router import RouteDecision, Router
+from .trace import SpecTrace, Timing, TraceRecord, TraceWriter
+from .upstream import Upstream, Upstreams, UpstreamUnavailable
+
+log = logging.getLogger("cartspec.agent")
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_CONTEXT_TOO_LONG = re.compile(r"context length|max_model_len|maximum model length|too long", re.IGNORECASE)
+
+
+# --- request bodies -----------------------------------------------------------
+class AskBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
+
+    query: str
+    history: list[Turn] = []
+
+
+# --- errors -------------------------------------------------------------------
+class ApiError(Exception):
+    def __init__(self, status: int, type_: str, reason: str, headers: dict[str, str] | None = None):
+        super().__init__(reason)
+        self.status, self.type, self.reason, self.headers = status, type_, reason, headers or {}
+
+
+class InvalidModelOutput(RuntimeError):
+    pass
+
+
+def _error(status: int, type_: str, reason: str, request_id: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"type": type_, "reason": reason, **({"request_id": request_id} if request_id else {})}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _pydantic_reason(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:3]:
+        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        parts.append(f"{where}: {msg}")
+    return "; ".join(parts)
+
+
+# --- one answered request -----------------------------------------------------
+@dataclass
+class Answer:
+    value: dict[str, Any]
+    decision: RouteDecision | None = None
+    deployment: str | None = None
+    attempts: int = 0
+    structured: list[bool] = field(default_factory=list)
+    repaired: bool = False
+    timing: Timing = field(default_factory=Timing)
+
+
+class Agent:
+    """What the routes share: config, deployments, cache, router, metrics, trace."""
+
+    def __init__(self, config: AgentConfig, upstreams: Upstreams):
+        self.config = config
+        self.upstreams = upstreams
+        self.cache = HotCache(config.cache)
+        self.router = Router(config.router, set(upstreams.by_target))
+        self.metrics = AgentMetrics()
+        self.trace = TraceWriter(config.trace_path, config.trace_max_bytes)
+        self.schemas = {"search": json_schema("search"), "support": json_schema("support")}
+        m = self.metrics
+        m.cache_entries.set_function(lambda: len(self.cache))
+        for target, up in upstreams.items():
+            m.inflight.labels(target).set_function(lambda up=up: up.inflight)
+            m.upstream_up.labels(target).set_function(lambda up=up: 1.0 if up.health.up else 0.0)
+            m.build.labels(target).info({"label": up.label, "url": up.base_url, "model": up.model,
+                                         **{k: str(v) for k, v in up.info.get("versions", {}).items()}})
+
+    # --- input ------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("x-api-key") or ""
+        auth = request.headers.get("authorization") or ""
+        if auth.lower().startswith("bearer "):
+            given = auth[7:].strip()
+        if not given:
+            raise ApiError(401, "unauthorized", "missing API key: send 'Authorization: Bearer KEY' or 'X-API-Key'",
+                           {"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise ApiError(401, "unauthorized", "wrong API key", {"WWW-Authenticate": "Bearer"})
+
+    async def read_body(self, request: Request) -> AskBody:
+        ctype = request.headers.get("content-type", "")
+        if ctype.split(";")[0].strip().lower() != "application/json":
+            raise ApiError(415, "unsupported_media_type",
+                           f"content type must be application/json, got {ctype or 'none'!r}")
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, "body_too_large", f"body is {declared} bytes; the limit is {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():  # bounded read: never buffer more than the limit
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, "body_too_large", f"body exceeds {limit} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            raise ApiError(400, "malformed_json", "empty body: send a JSON object with 'query'")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, "malformed_json", f"body is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ApiError(422, "invalid_request", f"body must be a JSON object, got {type(data).__name__}")
+        if "query" not in data:
+            raise ApiError(422, "invalid_request", "query: required")
+        if not isinstance(data["query"], str):
+            raise ApiError(422, "invalid_request", f"query: must be a string, got {type(data['query']).__name__}")
+        if "history" in data and data["history"] is not None and not isinstance(data["history"], list):
+            raise ApiError(422, "malformed_history",
+                           "history: must be a list of {\"role\": \"user\"|\"assistant\", \"content\": str} turns")
+        if data.get("history") is None:
+            data.pop("history", None)
+        try:
+            body = AskBody.model_validate(data)
+        except ValidationError as exc:
+            type_ = "malformed_history" if any(e["loc"][:1] == ("history",) for e in exc.errors()) \
+                else "invalid_request"
+            raise ApiError(422, type_, _pydantic_reason(exc)) from None
+        c = self.config
+        if not body.query.strip():
+            raise ApiError(422, "empty_query", "query: must not be empty or blank")
+        if len(body.query) > c.max_query_chars:
+            raise ApiError(422, "query_too_long",
+                           f"query: {len(body.query)} characters; the limit is {c.max_query_chars}")
+        if len(body.history) > c.max_history_turns:
+            raise ApiError(422, "malformed_history",
+                           f"history: {len(body.history)} turns; the limit is {c.max_history_turns}")
+        for i, turn in enumerate(body.history):
+            if not turn.content.strip():
+                raise ApiError(422, "malformed_history", f"history.{i}.content: must not be empty")
+        return body
+
+    # --- model calls -----------------------------------------------------------
+    def route(self, task: str, query: str) -> tuple[RouteDecision, Upstream]:
+        spec_up = self.upstreams.by_target.get("speculative")
+        load = spec_up.inflight + spec_up.waiting if spec_up else 0
+        decision = self.router.decide(task, query, load, self.upstreams.up())
+        return decision, self.upstreams[decision.target]
+
+    async def answer(self, endpoint: str, task: str, req: TaskRequest, rec: TraceRecord) -> Answer:
+        decision, up = self.route(task, req.query)
+        self.metrics.routes.labels(endpoint, decision.target, decision.reason).inc()
+        rec.route, rec.route_reason, rec.deployment = decision.target, decision.reason, up.label
+        # Timing goes straight into the trace record, so a failed request still shows where its time went.
+        ans = Answer(value={}, decision=decision, deployment=up.label, timing=rec.timing)
+        msgs = task_messages(req)
+        c = self.config
+        plan = [c.structured_outputs] + ([True] if c.retry_unparsable else [])
+        max_tokens = c.max_tokens[task]
+        last_error = ""
+        fallback = None
+        for attempt, constrained in enumerate(plan, 1):
+            ans.attempts = rec.attempts = attempt
+            ans.structured.append(constrained)
+            rec.structured = ans.structured
+            t0 = time.perf_counter()
+            try:
+                comp, queued = await up.chat(msgs, max_tokens=max_tokens,
+                                             temperature=c.temperature if attempt == 1 else 0.0,
+                                             json_schema=self.schemas[task] if constrained else None)
+            except UpstreamUnavailable:
+                self.metrics.upstream_errors.labels(decision.target, "down").inc()
+                raise
+            except UpstreamError as exc:
+                kind = {0: "unreachable", 504: "timeout"}.get(exc.status, f"http_{exc.status}")
+                self.metrics.upstream_errors.labels(decision.target, kind).inc()
+                ans.timing.upstream_ms += (time.perf_counter() - t0) * 1000  # a failed call's wait counts too
+                raise
+            call_s = time.perf_counter() - t0
+            ans.timing.queue_ms += queued * 1000
+            ans.timing.upstream_ms += (call_s - queued) * 1000
+            engine = (comp.raw.get("metrics") or {}) if comp.raw else {}
+            if engine.get("queue_time_ms") is not None:
+                ans.timing.engine_queue_ms = engine["queue_time_ms"]
+            if engine.get("time_to_first_token_ms") is not None:
+                ans.timing.engine_ttft_ms = engine["time_to_first_token_ms"]
+            self.metrics.stage.labels(endpoint, "queue").observe(queued)
+            self.metrics.stage.labels(endpoint, "upstream").observe(call_s - queued)
+            rec.output_tokens, rec.finish_reason = comp.output_tokens, comp.finish_reason
+            rec.spec = SpecTrace.from_vllm(comp.spec)
+            self.metrics.output_tokens.labels(decision.target).inc(comp.output_tokens)
+            self.metrics.observe_spec(decision.target, comp.spec)
+
+            t1 = time.perf_counter()
+            reading = read_reply(task, comp.text)
+            parse_s = time.perf_counter() - t1
+            ans.timing.parse_ms += parse_s * 1000
+            self.metrics.stage.labels(endpoint, "parse").observe(parse_s)
+            if reading.value is not None and reading.schema_valid:
+                self.metrics.attempts.labels(endpoint, str(attempt), "valid").inc()
+                self.router.observe(task, req.query, comp.output_tokens)
+                ans.value = reading.value.model_dump(mode="json")
+                return ans
+            outcome = "repaired" if reading.value is not None else "unparsable"
+            self.metrics.attempts.labels(endpoint, str(attempt), outcome).inc()
+            if reading.value is not None:
+                fallback = reading.value
+            last_error = reading.parsed.error or "reply does not validate against the schema"
+            if comp.finish_reason == "length":
+                last_error += f" (cut at max_tokens={max_tokens})"
+                max_tokens *= 2
+        if fallback is not None:  # every attempt needed repair: the repaired value is still typed and valid
+            ans.repaired = rec.repaired = True
+            ans.value = fallback.model_dump(mode="json")
+            return ans
+        raise InvalidModelOutput(f"the model's reply is not a valid {task} object after {len(plan)} "
+                                 f"attempt(s), the last constrained to the schema: {last_error}")
+
+
+def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream | str | None = None) -> FastAPI:
+    config = config or AgentConfig()
+    if upstream is None:
+        raise ValueError("create_app needs an upstream: an Upstreams, an Upstream or a base URL")
+    agent = Agent(config, Upstreams.coerce(upstream))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        for _, up in agent.upstreams.items():
+            await up.start(config.upstream_timeout_s, config.max_inflight, config.max_queue,
+                           config.probe_interval_s)
+        try:
+            yield
+        finally:
+            for _, up in agent.upstreams.items():
+                await up.close()
+            agent.trace.close()
+
+    app = FastAPI(title="cartspec commerce agent", version="1", lifespan=lifespan)
+    app.state.agent = agent
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        reason = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error(exc.status_code, type_, reason, headers=getattr(exc, "headers", None))
+
+    async def handle(request: Request, endpoint: str, task: str) -> Response:
+        t0 = time.perf_counter()
+        rid = request.headers.get("x-request-id", "")
+        rid = rid if _REQUEST_ID.match(rid) else uuid.uuid4().hex[:16]
+        rec = TraceRecord(id=rid, endpoint=endpoint)
+        m = agent.metrics
+        headers = {"X-Request-Id": rid}
+        try:
+            agent.check_auth(request)
+            body = await agent.read_body(request)
+            req = TaskRequest(query=body.query, history=body.history, task=task)  # type: ignore[arg-type]
+            history = [(t.role, t.content) for t in body.history]
+            cacheable = agent.cache.cacheable(len(history))
+            no_cache = "no-cache" in request.headers.get("cache-control", "").lower()
+
+            async def compute() -> Answer:
+                rec.cache = "off" if not cacheable else "bypass" if no_cache else "miss"
+                return await agent.answer(endpoint, task, req, rec)
+
+            async def run() -> tuple[Answer, str]:
+                if not cacheable:
+                    return await compute(), "off"
+                key = request_key(task, body.query, history)
+                return await agent.cache.get_or_compute(key, compute, read=not no_cache)
+
+            ans, cache_state = await asyncio.wait_for(run(), timeout=config.request_timeout_s)
+            rec.cache = cache_state
+            rec.status = 200
+            headers["X-Cartspec-Cache"] = cache_state
+            if cache_state in ("miss", "bypass", "off"):
+                rec.timing = ans.timing
+                headers["X-Cartspec-Route"] = ans.decision.header()
+                headers["X-Cartspec-Deployment"] = ans.deployment or ""
+                headers["X-Cartspec-Attempts"] = str(ans.attempts)
+                if ans.repaired:
+                    headers["X-Cartspec-Repaired"] = "1"
+            response = JSONResponse(ans.value, headers=headers)
+        except ApiError as exc:
+            response = _fail(rec, headers, exc.status, exc.type, exc.reason, exc.headers)
+        except UpstreamUnavailable as exc:
+            response = _fail(rec, headers, exc.status, "upstream_unavailable", exc.reason,
+                             {"Retry-After": str(max(1, round(exc.retry_after_s)))})
+        except UpstreamError as exc:
+            if exc.status == 504:
+                response = _fail(rec, headers, 504, "upstream_timeout",
+                                 f"model server did not answer within {config.upstream_timeout_s:g}s")
+            elif exc.status == 0:
+                response = _fail(rec, headers, 503, "upstream_unavailable", str(exc), {"Retry-After": "1"})
+            elif exc.status == 400 and _CONTEXT_TOO_LONG.search(str(exc)):
+                response = _fail(rec, headers, 422, "conversation_too_long",
+                                 "query and history do not fit the model's context: shorten the history")
+            elif exc.status >= 500:
+                response = _fail(rec, headers, 503, "upstream_error", str(exc), {"Retry-After": "1"})
+            else:
+                response = _fail(rec, headers, 502, "upstream_rejected", str(exc))
+        except InvalidModelOutput as exc:
+            response = _fail(rec, headers, 502, "invalid_model_output", str(exc))
+        except (asyncio.TimeoutError, CoalescedCancelled):
+            response = _fail(rec, headers, 504, "timeout",
+                             f"no answer within the request deadline of {config.request_timeout_s:g}s")
+        except Exception as exc:  # the service keeps serving; the trace and log say what broke
+            log.exception("request %s failed", rid)
+            response = _fail(rec, headers, 500, "internal", f"{type(exc).__name__}: {exc}"[:300])
+        total = time.perf_counter() - t0
+        rec.timing.total_ms = total * 1000
+        if rec.cache in ("miss", "bypass", "off") and rec.status == 200:
+            t = rec.timing
+            response.headers["Server-Timing"] = (f"queue;dur={t.queue_ms:.1f}, upstream;dur={t.upstream_ms:.1f}, "
+                                                 f"parse;dur={t.parse_ms:.2f}, total;dur={t.total_ms:.1f}")
+        if rec.cache:
+            m.cache.labels(endpoint, rec.cache).inc()
+        m.requests.labels(endpoint, str(rec.status)).inc()
+        m.latency.labels(endpoint).observe(total)
+        try:
+            agent.trace.write(rec)
+        except OSError:
+            log.exception("trace write failed")
+        return response
+
+    def _fail(rec: TraceRecord, headers: dict[str, str], status: int, type_: str, reason: str,
+              extra: dict[str, str] | None = None) -> JSONResponse:
+        rec.status, rec.error, rec.reason = status, type_, reason
+        return _error(status, type_, reason, rec.id, {**headers, **(extra or {})})
+
+    @app.post("/v1/search", response_model=SearchParams, summary="Search parameters for a shopper's query",
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": AskBody.model_json_schema(ref_template="#/components/schemas/{model}")}}}})
+    async def search(request: Request):
+        return await handle(request, "search", "search")
+
+    @app.post("/v1/support", response_model=SupportReply, summary="A support reply (topic, order id, text)",
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": AskBody.model_json_schema(ref_template="#/components/schemas/{model}")}}}})
+    async def support(request: Request):
+        return await handle(request, "support", "support")
+
+    @app.get("/health")
+    async def health():
+        ups = {t: {"url": u.base_url, "deployment": u.label, **u.health.describe()}
+               for t, u in agent.upstreams.items()}
+        status = "ok" if all(u["up"] for u in ups.values()) else "degraded"
+        return {"status": status, "upstreams": ups, "cache_entries": len(agent.cache)}
+
+    @app.get("/ready")
+    async def ready():
+        down = {t: u.health.reason for t, u in agent.upstreams.items() if not u.health.up}
+        if len(down) == len(agent.upstreams.by_target):
+            return _error(503, "upstream_unavailable", "; ".join(f"{t}: {r}" for t, r in down.items()),
+                          headers={"Retry-After": "1"})
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(agent.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/info")
+    async def info(request: Request):
+        try:
+            agent.check_auth(request)
+        except ApiError as exc:
+            return _error(exc.status, exc.type, exc.reason, headers=exc.headers)
+        return {"config": config.public(),
+                "deployments": {t: {"url": u.base_url, "label": u.label, "model": u.model, **u.info}
+                                for t, u in agent.upstreams.items()}}
+
+    return app

@@ -1,0 +1,78 @@
+"""Prometheus metrics of one agent app, in its own registry (two apps in one
+process, as in tests, never share counters).
+
+Acceptance follows design.md §6: rate = accepted / proposed draft tokens;
+τ = 1 + accepted / drafts (verify steps). Both come from vLLM's per-request
+speculative metrics, summed per deployment, so they describe exactly the
+traffic this agent sent, not the server's lifetime.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0, 30.0, 60.0)
+
+
+class AgentMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        p = "cartspec_agent_"
+        self.requests = Counter(p + "requests", "Requests answered, by endpoint and HTTP status",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram(p + "request_seconds", "End-to-end latency per endpoint (all statuses)",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.stage = Histogram(p + "stage_seconds", "Time per stage of answered model calls: queue, upstream, parse",
+                               ["endpoint", "stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self.cache = Counter(p + "cache", "Cache lookups: hit, miss, coalesced (waited for an identical "
+                             "request in flight), bypass, off", ["endpoint", "result"], registry=r)
+        self.cache_entries = Gauge(p + "cache_entries", "Replies held in the hot cache", registry=r)
+        self.routes = Counter(p + "route_decisions", "Router decisions: target deployment and why",
+                              ["endpoint", "target", "reason"], registry=r)
+        self.attempts = Counter(p + "model_attempts", "Model calls by attempt (1 = first, 2 = constrained retry) "
+                                "and outcome", ["endpoint", "attempt", "outcome"], registry=r)
+        self.upstream_errors = Counter(p + "upstream_errors", "Failed or refused model calls",
+                                       ["target", "kind"], registry=r)
+        self.upstream_up = Gauge(p + "upstream_up", "1 when the deployment answers its health check",
+                                 ["target"], registry=r)
+        self.inflight = Gauge(p + "upstream_inflight", "Model calls in flight", ["target"], registry=r)
+        self.output_tokens = Counter(p + "output_tokens", "Tokens generated for answered requests",
+                                     ["target"], registry=r)
+        self.drafts = Counter(p + "spec_drafts", "Verify steps with a draft (vLLM per-request metrics)",
+                              ["target"], registry=r)
+        self.draft_tokens = Counter(p + "spec_draft_tokens", "Draft tokens proposed", ["target"], registry=r)
+        self.accepted_tokens = Counter(p + "spec_accepted_tokens", "Draft tokens accepted", ["target"], registry=r)
+        self.acceptance_rate = Gauge(p + "spec_acceptance_rate", "Accepted / proposed draft tokens, "
+                                     "since start", ["target"], registry=r)
+        self.acceptance_length = Gauge(p + "spec_acceptance_length", "τ = 1 + accepted / drafts, since start",
+                                       ["target"], registry=r)
+        self.request_tau = Histogram(p + "spec_request_acceptance_length", "τ of each answered request",
+                                     ["target"], buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0),
+                                     registry=r)
+        self.build = Info(p + "deployment", "What runs behind each target", ["target"], registry=r)
+        self._sums: dict[str, list[float]] = {}
+
+    def observe_spec(self, target: str, spec: dict[str, Any] | None) -> None:
+        if not spec:
+            return
+        steps = spec.get("num_spec_steps") or 0
+        drafted = spec.get("num_draft_tokens") or 0
+        accepted = spec.get("num_accepted_draft_tokens") or 0
+        self.drafts.labels(target).inc(steps)
+        self.draft_tokens.labels(target).inc(drafted)
+        self.accepted_tokens.labels(target).inc(accepted)
+        s = self._sums.setdefault(target, [0.0, 0.0, 0.0])
+        s[0] += steps
+        s[1] += drafted
+        s[2] += accepted
+        if s[1]:
+            self.acceptance_rate.labels(target).set(s[2] / s[1])
+        if s[0]:
+            self.acceptance_length.labels(target).set(1 + s[2] / s[0])
+        if steps:
+            self.request_tau.labels(target).observe(1 + accepted / steps)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,109 @@
+"""One JSON line per request: what happened to it, where the time went.
+
+Written synchronously with a flush per line: a line is ~1 KB, far cheaper than
+the model call it describes, and a crash loses at most the line being written.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class Timing(BaseModel):
+    queue_ms: float = 0.0      # waiting for a free slot at the deployment (agent side)
+    upstream_ms: float = 0.0   # model calls, all attempts, HTTP round trip
+    parse_ms: float = 0.0      # reading and validating replies
+    total_ms: float = 0.0
+    engine_queue_ms: float | None = None   # vLLM's own queue time, when it reports per-request metrics
+    engine_ttft_ms: float | None = None
+
+
+class SpecTrace(BaseModel):
+    """Speculative decoding of the answering call, as vLLM reported it."""
+
+    acceptance_rate: float | None = None
+    acceptance_length: float | None = None
+    drafts: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    per_step_accepted: list[int] | None = None
+    per_step_proposed: list[int] | None = None
+
+    @classmethod
+    def from_vllm(cls, spec: dict[str, Any] | None) -> "SpecTrace | None":
+        if not spec:
+            return None
+        return cls(acceptance_rate=spec.get("draft_acceptance_rate"),
+                   acceptance_length=spec.get("mean_acceptance_length"),
+                   drafts=spec.get("num_spec_steps", 0), proposed=spec.get("num_draft_tokens", 0),
+                   accepted=spec.get("num_accepted_draft_tokens", 0),
+                   per_step_accepted=spec.get("per_step_accepted"),
+                   per_step_proposed=spec.get("per_step_drafted"))
+
+
+class TraceRecord(BaseModel):
+    id: str
+    ts: float = Field(default_factory=time.time)
+    endpoint: str
+    status: int = 0
+    error: str | None = None          # error type when status is not 2xx
+    reason: str | None = None
+    route: str | None = None          # target deployment
+    route_reason: str | None = None
+    deployment: str | None = None     # its spec label, e.g. eagle3-domain-g3
+    cache: str | None = None          # hit | miss | coalesced | bypass | off; None: never got that far
+    attempts: int = 0
+    structured: list[bool] = Field(default_factory=list)  # per attempt: constrained decoding on?
+    repaired: bool = False
+    output_tokens: int = 0
+    finish_reason: str | None = None
+    timing: Timing = Field(default_factory=Timing)
+    spec: SpecTrace | None = None
+
+
+class TraceWriter:
+    def __init__(self, path: str | Path | None, max_bytes: int = 256 * 1024 * 1024):
+        self.path = Path(path) if path else None
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._fh = None
+        if self.path:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: TraceRecord) -> None:
+        if self._fh is None:
+            return
+        line = record.model_dump_json(exclude_none=True) + "\n"
+        with self._lock:
+            self._fh.write(line)
+            self._fh.flush()
+            if self._fh.tell() > self.max_bytes:
+                self._rotate()
+
+    def _rotate(self) -> None:
+        self._fh.close()
+        self.path.replace(self.path.with_name(self.path.name + ".1"))
+        self._fh = self.path.open("a", encoding="utf-8")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fh:
+                self._fh.close()
+                self._fh = None
+
+
+def read_trace(path: str | Path) -> list[dict[str, Any]]:
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out

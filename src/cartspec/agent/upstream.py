@@ -1,0 +1,177 @@
+"""The deployments behind the agent, and what the agent knows about their health.
+
+An ``Upstream`` is one OpenAI-compatible server (normally a ``VllmServer``).
+When a call finds it unreachable it is marked down; from then on requests fail
+fast with 503 and the reason, instead of each of 64 clients waiting on a dead
+socket, and a background probe of ``/health`` marks it up again as soon as the
+server answers. The agent never owns the process: whoever started it restarts
+it (``cartspec serve`` does), and the agent follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..serving.client import ChatClient, Completion, UpstreamError
+
+
+class UpstreamUnavailable(RuntimeError):
+    """No call was made: the deployment is known to be down, or its queue is full."""
+
+    def __init__(self, reason: str, status: int = 503, retry_after_s: float = 1.0):
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class Health:
+    up: bool = True  # optimistic until a call or probe says otherwise
+    reason: str = ""
+    since: float = field(default_factory=time.time)
+    checked: float = 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return {"up": self.up, "reason": self.reason or None,
+                "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since))}
+
+
+class Upstream:
+    def __init__(self, base_url: str, model: str = "cartspec", label: str = "", info: dict[str, Any] | None = None,
+                 api_key: str | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.label = label or "unknown"
+        self.info = info or {}
+        self.api_key = api_key
+        self.health = Health()
+        self.inflight = 0
+        self.waiting = 0
+        self._client: ChatClient | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._probe_task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._timeout = 30.0
+        self._max_queue = 1024
+        self._probe_interval = 1.0
+        self.on_health_change = None  # callback(upstream), set by the app for metrics
+
+    # --- lifecycle (inside the app's event loop) ----------------------------
+    async def start(self, timeout_s: float, max_inflight: int, max_queue: int, probe_interval_s: float) -> None:
+        self._timeout, self._max_queue, self._probe_interval = timeout_s, max_queue, probe_interval_s
+        self._client = ChatClient(self.base_url, self.model, timeout=timeout_s, api_key=self.api_key,
+                                  max_connections=max_inflight + 8)
+        self._slots = asyncio.Semaphore(max_inflight)
+        self._wake = asyncio.Event()
+        await self.probe()
+        self._probe_task = asyncio.create_task(self._probe_loop(), name=f"probe {self.base_url}")
+
+    async def close(self) -> None:
+        if self._probe_task:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
+        if self._client:
+            await self._client.aclose()
+
+    # --- health -------------------------------------------------------------
+    def _set(self, up: bool, reason: str = "") -> None:
+        changed = up != self.health.up
+        if changed:
+            self.health = Health(up=up, reason=reason)
+        elif not up and reason:
+            self.health.reason = reason
+        self.health.checked = time.time()
+        if changed and not up and self._wake is not None:
+            self._wake.set()  # start probing for recovery now, not at the next slow tick
+        if changed and self.on_health_change:
+            self.on_health_change(self)
+
+    async def probe(self) -> bool:
+        ok = await self._client.healthy() if self._client else False
+        if ok:
+            self._set(True)
+        elif self.health.up:
+            self._set(False, f"health check of {self.base_url} failed")
+        return ok
+
+    async def _probe_loop(self) -> None:
+        # Down: probe every interval, so recovery is seen within one. Up: now and
+        # then, so /health and the up gauge are right even without traffic.
+        while True:
+            wait = self._probe_interval if not self.health.up else max(5.0, self._probe_interval)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+            if self._wake.is_set():
+                self._wake.clear()
+                await asyncio.sleep(self._probe_interval)
+            with contextlib.suppress(Exception):
+                await self.probe()
+
+    # --- calls --------------------------------------------------------------
+    async def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float,
+                   json_schema: dict[str, Any] | None) -> tuple[Completion, float]:
+        """The completion and the seconds it waited for a free slot."""
+        if not self.health.up:
+            raise UpstreamUnavailable(f"model server {self.label} is down since "
+                                      f"{self.health.describe()['since']}: {self.health.reason}",
+                                      retry_after_s=self._probe_interval)
+        if self.waiting >= self._max_queue:
+            raise UpstreamUnavailable(f"agent overloaded: {self.waiting} requests already wait for "
+                                      f"model server {self.label}", retry_after_s=1.0)
+        t0 = time.perf_counter()
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        queued = time.perf_counter() - t0
+        self.inflight += 1
+        try:
+            if not self.health.up:  # it went down while we queued
+                raise UpstreamUnavailable(f"model server {self.label} went down: {self.health.reason}",
+                                          retry_after_s=self._probe_interval)
+            return await self._client.chat(messages, max_tokens=max_tokens, temperature=temperature,
+                                           json_schema=json_schema), queued
+        except UpstreamError as exc:
+            if exc.status in (0, 502, 503):
+                self._set(False, str(exc))
+            raise
+        finally:
+            self.inflight -= 1
+            self._slots.release()
+
+
+class Upstreams:
+    """The speculative deployment and, optionally, a plain one to route to."""
+
+    def __init__(self, speculative: Upstream | None = None, plain: Upstream | None = None):
+        if speculative is None and plain is None:
+            raise ValueError("the agent needs at least one deployment")
+        self.by_target: dict[str, Upstream] = {}
+        if speculative is not None:
+            self.by_target["speculative"] = speculative
+        if plain is not None:
+            self.by_target["plain"] = plain
+
+    @classmethod
+    def coerce(cls, upstream: "Upstreams | Upstream | str") -> "Upstreams":
+        if isinstance(upstream, Upstreams):
+            return upstream
+        if isinstance(upstream, str):
+            upstream = Upstream(upstream)
+        return cls(speculative=upstream)
+
+    def __getitem__(self, target: str) -> Upstream:
+        return self.by_target[target]
+
+    def items(self):
+        return self.by_target.items()
+
+    def up(self) -> dict[str, bool]:
+        return {t: u.health.up for t, u in self.by_target.items()}

@@ -1,0 +1,196 @@
+"""``cartspec study`` and ``cartspec report``: the sweep and its report from the terminal."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+
+console = Console(stderr=True)
+if not console.is_terminal:  # a log file or pipe gets whole lines and tables, not 80 squeezed columns
+    console = Console(stderr=True, width=170)
+
+
+class RichReporter:
+    """Two bars: points of the sweep, requests of the point being measured."""
+
+    def __init__(self) -> None:
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+                                 console=console, transient=False)
+        self.points = self.requests = None
+        self.errors = 0
+
+    def start(self, total: int, done: int) -> None:
+        self.progress.start()
+        self.points = self.progress.add_task("points", total=total, completed=done)
+        if done:
+            self.progress.console.print(f"resuming: {done} of {total} points already measured, skipped")
+
+    def deployment(self, label: str, state: str) -> None:
+        colour = {"failed": "red", "running": "green", "done": "dim"}.get(state, "yellow")
+        self.progress.console.print(f"[{colour}]{label}: {state}[/]")
+
+    def point_started(self, cfg) -> None:
+        if self.requests is not None:
+            self.progress.remove_task(self.requests)
+        self.errors = 0
+        self.requests = self.progress.add_task(f"  {cfg.deployment} {cfg.load} T={cfg.temperature:g}",
+                                               total=cfg.n_requests)
+
+    def request_done(self, ok: bool) -> None:
+        self.errors += not ok
+        if self.requests is not None:
+            self.progress.advance(self.requests)
+
+    def point_finished(self, res) -> None:
+        self.progress.advance(self.points)
+        c = res.config
+        if res.status == "failed":
+            self.progress.console.print(f"  [red]✗ {c.deployment} {c.load} T={c.temperature:g}: {res.reason[:160]}[/]")
+            return
+        acc = f" accept {res.acceptance_rate:.1%} τ {res.tau:.2f}" if res.acceptance_rate is not None else ""
+        self.progress.console.print(
+            f"  ✓ {c.deployment} {c.load} T={c.temperature:g}: {res.output_throughput:.1f} tok/s, "
+            f"E2EL p50 {res.e2el_p50 or 0:.2f}s p99 {res.e2el_p99 or 0:.2f}s, "
+            f"TTFT p50 {res.ttft_p50 or 0:.3f}s, TPOT p50 {1000 * (res.tpot_p50 or 0):.1f}ms, "
+            f"errors {res.n_errors}/{res.n_requests}{acc}")
+
+    def stop(self) -> None:
+        if self.requests is not None:
+            self.progress.remove_task(self.requests)
+            self.requests = None
+        self.progress.stop()
+
+
+def _floats(text: Optional[str]) -> list[float] | None:
+    return [float(x) for x in text.split(",") if x.strip()] if text else None
+
+
+def _ints(text: Optional[str]) -> list[int] | None:
+    return [int(x) for x in text.split(",") if x.strip()] if text else None
+
+
+def study(
+    preset: str = typer.Option("quick", help="quick (minutes on CPU) | paper (the published study's grid)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/study-PRESET); rerun to resume"),
+    model: str = typer.Option("commerce", help="target model: commerce | base | PATH to an HF directory"),
+    server: Optional[str] = typer.Option(None, help="measure this running OpenAI-compatible endpoint instead"),
+    served_name: Optional[str] = typer.Option(None, help="model name on --server (default: its first model)"),
+    deployments: Optional[str] = typer.Option(
+        None, help="comma list replacing the preset's: baseline, ngram:3, eagle3:domain:3, eagle3:PATH:5 "
+                   "(with --server: what that endpoint runs, for labels)"),
+    concurrency: Optional[str] = typer.Option(None, help="comma list, e.g. 1,2,4,8"),
+    rates: Optional[str] = typer.Option(None, help="open loop instead: Poisson arrival rates in req/s, e.g. 0.5,1,2"),
+    temperatures: Optional[str] = typer.Option(None, help="comma list, e.g. 0,0.5"),
+    request_sets: Optional[str] = typer.Option(None, "--request-set", help="commerce | search | support | FILE.jsonl (comma list)"),
+    requests: Optional[int] = typer.Option(None, "--requests", help="measured requests per point"),
+    duration: Optional[float] = typer.Option(None, help="stop sending new requests in a point after this many seconds"),
+    warmup: Optional[int] = typer.Option(None, help="warm-up requests per point (default min(concurrency, 8))"),
+    max_tokens: Optional[int] = typer.Option(None, help="max output tokens per request"),
+    structured: bool = typer.Option(False, help="constrain replies to the task's JSON schema (vLLM structured outputs)"),
+    enforce_eager: bool = typer.Option(False, help="start vLLM without torch.compile (faster start, slower decode)"),
+    slo: float = typer.Option(2.0, help="E2EL SLO in seconds for goodput and capacity"),
+    seed: int = typer.Option(0, help="at T > 0 each request carries a seed derived from this (paired runs); "
+                                     "-1: send none, as production clients do"),
+    target_rps: Optional[float] = typer.Option(None, help="load to size instances for (req/s); default 2x the baseline's capacity"),
+) -> None:
+    """Run the speculative-decoding study (sweep, then report) and print a verdict."""
+    from ..report.build import build_report
+    from ..serving.spec import DeploymentSpec
+    from .sweep import parse_deployment, preset as make_preset, run_sweep
+
+    try:
+        plan = make_preset(preset, model)
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2)
+    if deployments:
+        try:
+            plan.deployments = [parse_deployment(d.strip(), model) for d in deployments.split(",") if d.strip()]
+        except ValueError as exc:
+            console.print(f"[bold red]error:[/] {exc}")
+            raise typer.Exit(2)
+    if server:
+        # An endpoint we do not start: --deployments (one) only says what it runs, for labels.
+        if deployments and len(plan.deployments) != 1:
+            console.print("[bold red]error:[/] with --server, --deployments names the one deployment behind it")
+            raise typer.Exit(2)
+        plan.server_url, plan.served_name = server, served_name
+        plan.deployments = plan.deployments if deployments else [DeploymentSpec(model=served_name or "server")]
+    if enforce_eager:
+        plan.deployments = [d.model_copy(update={"enforce_eager": True}) for d in plan.deployments]
+    plan.concurrencies = _ints(concurrency) or plan.concurrencies
+    plan.rates = _floats(rates) or plan.rates
+    plan.temperatures = _floats(temperatures) or plan.temperatures
+    plan.request_sets = [s.strip() for s in request_sets.split(",")] if request_sets else plan.request_sets
+    plan.n_requests = requests or plan.n_requests
+    plan.duration_s = duration or plan.duration_s
+    plan.warmup = warmup if warmup is not None else plan.warmup
+    plan.max_tokens = max_tokens or plan.max_tokens
+    plan.structured = structured
+    plan.slo_e2el_s = slo
+    plan.seed = seed
+    out = out or Path("runs") / f"study-{preset}"
+    n_points = len(plan.all_points())
+    console.print(f"[bold]cartspec study[/] preset={plan.name}: {len(plan.deployments)} deployments "
+                  f"({', '.join(d.label for d in plan.deployments)}) × {n_points // max(len(plan.deployments), 1)} "
+                  f"points each -> {out}")
+    t0 = time.monotonic()
+    try:
+        run_sweep(plan, out, reporter=RichReporter())
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted: finished points are in {out}/results.jsonl; rerun to resume[/]")
+        raise typer.Exit(130)
+    report = build_report(out, target_rps=target_rps)
+    minutes = (time.monotonic() - t0) / 60
+    print_table(report.rows)
+    console.print(f"\n[bold]verdict[/] ({minutes:.1f} min): {report.verdict}")
+    console.print(f"report: {report.html}\nsummary: {report.summary}")
+
+
+def print_table(rows: list[dict]) -> None:
+    """The per-point table a user reads first: throughput, latency, acceptance, speedup."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title="points (speedup = output throughput / baseline's at the same load and T)", box=box.SIMPLE_HEAD)
+    for col in ("deployment", "load", "T", "req", "err", "tok/s", "speedup", "TTFT p50", "TPOT p50 ms",
+                "E2EL p50", "E2EL p99", "accept", "τ"):
+        t.add_column(col, justify="left" if col == "deployment" else "right")
+    f = lambda v, d=2: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
+    for r in rows:
+        load = str(r["concurrency"]) if r["mode"] == "closed" else f"{r['rate']:g}/s"
+        if r["status"] != "ok":
+            t.add_row(r["deployment"], load, f"{r['temperature']:g}", "", "", "[red]failed[/]", "", "", "", "", "",
+                      "", "")
+            continue
+        t.add_row(r["deployment"], load, f"{r['temperature']:g}", str(r["n_requests"]), str(r["n_errors"]),
+                  f(r["output_throughput"], 1), f(r["speedup_vs_baseline"]), f(r["ttft_p50"], 3),
+                  f(r["tpot_p50"] and 1000 * r["tpot_p50"], 1), f(r["e2el_p50"]), f(r["e2el_p99"]),
+                  "—" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}", f(r["tau"]))
+    console.print(t)
+
+
+def report(run: Path = typer.Option(..., "--run", help="a study's run directory (holds results.jsonl)"),
+           target_rps: Optional[float] = typer.Option(None, help="load to size instances for (req/s)")) -> None:
+    """Rebuild a study's HTML report and summary.json from its results."""
+    from ..report.build import build_report
+
+    if not (run / "results.jsonl").exists():
+        console.print(f"[bold red]error:[/] no results.jsonl in {run}")
+        raise typer.Exit(2)
+    rep = build_report(run, target_rps=target_rps)
+    print_table(rep.rows)
+    console.print(f"[bold]verdict:[/] {rep.verdict}")
+    console.print(f"report: {rep.html}\nsummary: {rep.summary}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("study")(study)
+    app.command("report")(report)

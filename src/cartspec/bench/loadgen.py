@@ -1,0 +1,267 @@
+"""Streaming load generator for any OpenAI-compatible chat endpoint.
+
+Two ways to load a server: a closed loop keeps ``concurrency`` requests in
+flight (each worker sends its next request when the last one ends), an open
+loop sends requests at Poisson arrival times whatever the server does. A
+warm-up at the same load runs first and is not measured; the speculative
+counters are read from ``/metrics`` after it and after the last request.
+
+Per request (design.md §6): TTFT is start → first content chunk, E2EL is start
+→ last content chunk, ITL are the gaps between content chunks (one chunk can
+carry several tokens under speculation), TPOT is (E2EL − TTFT) / (tokens − 1)
+with the token count from the server's usage chunk. A request that fails is
+recorded with its error and counted, never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Iterable, Sequence
+
+import httpx
+
+from .metrics import scrape, stats_from_responses
+from .results import RequestRecord, SpecStats
+
+Clock = Callable[[], float]
+SPEC_KEYS = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "mean_acceptance_length",
+             "draft_acceptance_rate")
+
+
+@dataclass
+class ChatRequest:
+    """One request body, before the load generator adds model, streaming and sampling."""
+
+    messages: list[dict[str, str]]
+    id: str = ""
+    max_tokens: int = 128
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LoadConfig:
+    mode: str = "closed"  # "closed" | "open"
+    concurrency: int = 1
+    rate: float | None = None  # open loop: requests per second
+    n_requests: int = 16
+    duration_s: float | None = None  # stop issuing new requests after this long
+    warmup: int = 0
+    temperature: float = 0.0
+    seed: int = 0  # < 0: no per-request seeds at T > 0 (the server's own randomness, as in production)
+    timeout_s: float = 600.0
+
+
+@dataclass
+class LoadResult:
+    records: list[RequestRecord]
+    wall_s: float
+    spec: SpecStats | None
+    n_warmup: int = 0
+
+
+def body_for(model: str, req: ChatRequest, temperature: float, seed: int | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "messages": req.messages, "max_tokens": req.max_tokens,
+                            "temperature": temperature, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if seed is not None:
+        body["seed"] = seed  # same sampling stream for the same request on every deployment
+    body.update(req.extra)
+    return body
+
+
+def _has_content(chunk: dict[str, Any]) -> bool:
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
+            return True
+    return False
+
+
+def record_from_events(req_id: str, t_start: float, content_times: Sequence[float],
+                       usage: dict[str, Any] | None, t_end: float, error: str | None = None,
+                       status: int = 200, spec: dict[str, Any] | None = None) -> RequestRecord:
+    """The request's metrics from the arrival times of its content chunks (a pure function)."""
+    ttft = content_times[0] - t_start if content_times else None
+    e2el = (content_times[-1] if content_times else t_end) - t_start
+    itl = [b - a for a, b in zip(content_times, content_times[1:])]
+    out_tokens = int(usage.get("completion_tokens", 0)) if usage else len(content_times)
+    if error is None and not content_times and out_tokens > 0:
+        error = "stream ended without content"
+    return RequestRecord(id=req_id, ttft=ttft, e2el=e2el if error is None else (t_end - t_start), itl=itl,
+                         output_tokens=out_tokens, prompt_tokens=int(usage.get("prompt_tokens", 0)) if usage else 0,
+                         chunks=len(content_times), usage_reported=usage is not None, error=error,
+                         status=status, spec=spec)
+
+
+async def stream_chat(http: httpx.AsyncClient, model: str, req: ChatRequest, temperature: float = 0.0,
+                      seed: int | None = None, clock: Clock = time.perf_counter) -> RequestRecord:
+    """Send one streaming chat request and time its chunks."""
+    body = body_for(model, req, temperature, seed)
+    content_times: list[float] = []
+    usage: dict[str, Any] | None = None
+    spec: dict[str, Any] | None = None
+    status, error, done = 0, None, False
+    t0 = clock()
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            status = r.status_code
+            if status != 200:
+                text = (await r.aread()).decode(errors="replace")
+                error = f"HTTP {status}: {text[:300]}"
+            else:
+                async for line in r.aiter_lines():
+                    now = clock()
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(payload)
+                    if "error" in chunk and not chunk.get("choices"):
+                        error = f"stream error: {json.dumps(chunk['error'])[:300]}"
+                        break
+                    if _has_content(chunk):
+                        content_times.append(now)
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    sd = (chunk.get("metrics") or {}).get("speculative_decoding")
+                    if sd:
+                        spec = {k: sd[k] for k in SPEC_KEYS if k in sd}
+                if error is None and not done:
+                    error = "stream ended before [DONE]"
+    except httpx.TimeoutException as exc:
+        error = f"timeout: {type(exc).__name__}"
+    except httpx.HTTPError as exc:
+        error = f"{type(exc).__name__}: {exc}"[:300]
+    except (json.JSONDecodeError, ValueError) as exc:
+        error = f"bad stream payload: {exc}"[:300]
+    return record_from_events(req.id, t0, content_times, usage, clock(), error, status, spec)
+
+
+OnDone = Callable[[RequestRecord], None]
+
+
+async def closed_loop(send: Callable[[int, ChatRequest], Awaitable[RequestRecord]], requests: Sequence[ChatRequest],
+                      concurrency: int, n_requests: int, duration_s: float | None = None,
+                      on_done: OnDone | None = None, clock: Clock = time.perf_counter) -> tuple[list[RequestRecord], float]:
+    """Keep ``concurrency`` requests in flight until ``n_requests`` were sent (or ``duration_s`` passed).
+
+    Requests are taken in order, cycling through ``requests``; the i-th measured
+    request is the same on every deployment, so points compare paired.
+    """
+    records: list[RequestRecord] = []
+    next_i = 0
+    t0 = clock()
+
+    async def worker() -> None:
+        nonlocal next_i
+        while next_i < n_requests and (duration_s is None or clock() - t0 < duration_s):
+            i = next_i
+            next_i += 1
+            t_send = clock()
+            rec = await send(i, requests[i % len(requests)])
+            rec.start = t_send - t0
+            records.append(rec)
+            if on_done:
+                on_done(rec)
+
+    await asyncio.gather(*(worker() for _ in range(max(1, concurrency))))
+    return records, clock() - t0
+
+
+async def open_loop(send: Callable[[int, ChatRequest], Awaitable[RequestRecord]], requests: Sequence[ChatRequest],
+                    rate: float, n_requests: int, duration_s: float | None = None, seed: int = 0,
+                    on_done: OnDone | None = None, clock: Clock = time.perf_counter) -> tuple[list[RequestRecord], float]:
+    """Poisson arrivals at ``rate`` per second, whatever the server's state (the load a real shop sees)."""
+    rng = random.Random(abs(seed))
+    records: list[RequestRecord] = []
+    tasks: list[asyncio.Task] = []
+    t0 = clock()
+    arrival = 0.0
+
+    async def one(i: int, at: float) -> None:
+        rec = await send(i, requests[i % len(requests)])
+        rec.start = at
+        records.append(rec)
+        if on_done:
+            on_done(rec)
+
+    for i in range(n_requests):
+        if duration_s is not None and arrival >= duration_s:
+            break
+        delay = t0 + arrival - clock()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i, arrival)))
+        arrival += rng.expovariate(rate)
+    await asyncio.gather(*tasks)
+    return records, clock() - t0
+
+
+async def run_load(base_url: str, model: str, requests: Sequence[ChatRequest], cfg: LoadConfig,
+                   on_done: OnDone | None = None, api_key: str | None = None) -> LoadResult:
+    """Warm up, read the counters, run the measured load, read the counters again."""
+    if not requests:
+        raise ValueError("no requests to send")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    in_flight = cfg.concurrency if cfg.mode == "closed" else 1024
+    limits = httpx.Limits(max_connections=in_flight + 8, max_keepalive_connections=in_flight + 8)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
+    async with httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout, limits=limits,
+                                 headers=headers) as http:
+
+        def sender(seed_base: int) -> Callable[[int, ChatRequest], Awaitable[RequestRecord]]:
+            async def send(i: int, req: ChatRequest) -> RequestRecord:
+                seeded = cfg.temperature > 0 and cfg.seed >= 0
+                seed = cfg.seed * 100_003 + seed_base + i if seeded else None
+                return await stream_chat(http, model, req, cfg.temperature, seed)
+            return send
+
+        if cfg.warmup > 0:
+            # From the end of the set, so the measured requests are not already in the prefix cache.
+            warm = list(reversed(requests))
+            await closed_loop(sender(1_000_000), warm, min(cfg.concurrency, cfg.warmup) if cfg.mode == "closed"
+                              else min(cfg.warmup, 8), cfg.warmup)
+        before = await scrape(http, base_url)
+        if cfg.mode == "closed":
+            records, wall = await closed_loop(sender(0), requests, cfg.concurrency, cfg.n_requests,
+                                              cfg.duration_s, on_done)
+        else:
+            if not cfg.rate:
+                raise ValueError("open loop needs a rate")
+            records, wall = await open_loop(sender(0), requests, cfg.rate, cfg.n_requests, cfg.duration_s,
+                                            cfg.seed, on_done)
+        after = await scrape(http, base_url)
+    spec = (after - before).stats() if before is not None and after is not None else None
+    if spec is None:
+        spec = stats_from_responses([r.spec for r in records if r.spec])
+    records.sort(key=lambda r: r.start)
+    return LoadResult(records=records, wall_s=wall, spec=spec, n_warmup=cfg.warmup)
+
+
+def chat_requests(reqs: Iterable[Any], max_tokens: int, structured: bool = False) -> list[ChatRequest]:
+    """cartspec task requests -> chat bodies (optionally constrained to the task's JSON schema)."""
+    from ..task.prompts import messages
+
+    out = []
+    for r in reqs:
+        extra: dict[str, Any] = {}
+        if structured:
+            extra["response_format"] = {"type": "json_schema",
+                                        "json_schema": {"name": r.task, "schema": _schema(r.task)}}
+        out.append(ChatRequest(messages=messages(r), id=r.id or "", max_tokens=max_tokens, extra=extra))
+    return out
+
+
+def _schema(task: str) -> dict[str, Any]:
+    from ..task import schema
+
+    fn = getattr(schema, "json_schema", None)
+    if fn is None:
+        raise RuntimeError("cartspec.task.schema has no json_schema(task): structured requests unavailable")
+    return fn(task)

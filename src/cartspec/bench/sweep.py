@@ -1,0 +1,398 @@
+"""The study's grid: deployment × concurrency (or arrival rate) × temperature × request set.
+
+Each deployment is started once and measured at all its points; every point is
+appended to ``results.jsonl`` as soon as it is measured, so a sweep killed at
+any moment loses at most the point in flight, and a rerun skips what is done.
+A deployment that does not start (missing head, rejected by vLLM) and a point
+whose server died are recorded as failed with the reason, and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..serving.spec import DeploymentSpec, Speculative
+from .loadgen import ChatRequest, LoadConfig, chat_requests, run_load
+from .results import (DeploymentInfo, Machine, PointConfig, PointResult, append_result, finished_keys,
+                      load_results, now_iso)
+
+# --- the plan ---------------------------------------------------------------
+
+
+class SweepPlan(BaseModel):
+    """A grid of points; serialised into ``run.json`` beside the results."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "custom"
+    deployments: list[DeploymentSpec]
+    concurrencies: list[int] = Field(default_factory=lambda: [1, 8])
+    rates: list[float] = Field(default_factory=list, description="open-loop arrival rates (req/s); empty: closed loop")
+    temperatures: list[float] = Field(default_factory=lambda: [0.0])
+    request_sets: list[str] = Field(default_factory=lambda: ["commerce"])
+    n_requests: int | None = Field(None, description="measured requests per point; None: per-load rule below")
+    requests_per_stream: int = 4
+    min_requests: int = 16
+    duration_s: float | None = None
+    warmup: int | None = Field(None, description="warm-up requests per point; None: min(concurrency, 8)")
+    max_tokens: int = 128
+    structured: bool = False
+    seed: int = 0
+    slo_e2el_s: float = 2.0
+    server_url: str | None = Field(None, description="measure this running endpoint instead of starting vLLM")
+    served_name: str | None = None
+
+    def points(self, deployment: DeploymentSpec, label: str | None = None) -> list[PointConfig]:
+        sp = deployment.speculative
+        common = dict(deployment=label or deployment.label, method=sp.method, gamma=sp.num_speculative_tokens,
+                      head=sp.model if sp.method == "eagle3" else None,
+                      spec=deployment.model_dump(mode="json"), max_tokens=self.max_tokens,
+                      structured=self.structured, seed=self.seed, slo_e2el_s=self.slo_e2el_s,
+                      duration_s=self.duration_s)
+        loads: list[dict[str, Any]] = ([dict(mode="open", rate=r, concurrency=None) for r in self.rates]
+                                       if self.rates else [dict(mode="closed", concurrency=c) for c in self.concurrencies])
+        out = []
+        for rs in self.request_sets:
+            for temp in self.temperatures:
+                for load in loads:
+                    width = load["concurrency"] or max(1, round(load["rate"]))
+                    n = self.n_requests or max(self.min_requests, self.requests_per_stream * width)
+                    warm = self.warmup if self.warmup is not None else min(width, 8)
+                    out.append(PointConfig(request_set=rs, temperature=temp, n_requests=n, warmup=warm,
+                                           **load, **common))
+        return out
+
+    def all_points(self) -> list[PointConfig]:
+        return [p for d in self.deployments for p in self.points(d)]
+
+
+def baseline(model: str) -> DeploymentSpec:
+    return DeploymentSpec(model=model)
+
+
+def spec_deployment(model: str, method: str, gamma: int, head: str | None = None) -> DeploymentSpec:
+    return DeploymentSpec(model=model, speculative=Speculative(method=method, num_speculative_tokens=gamma,
+                                                               model=head))
+
+
+def parse_deployment(text: str, model: str) -> DeploymentSpec:
+    """``baseline`` | ``ngram:3`` | ``eagle3:domain:3`` | ``eagle3:/path/to/head:5`` -> a spec."""
+    parts = text.split(":")
+    if parts[0] in ("baseline", "none"):
+        return baseline(model)
+    if parts[0] in ("ngram", "suffix") and len(parts) == 2:
+        return spec_deployment(model, parts[0], int(parts[1]))
+    if parts[0] in ("eagle3", "draft_model") and len(parts) >= 3:
+        return spec_deployment(model, parts[0], int(parts[-1]), ":".join(parts[1:-1]))
+    raise ValueError(f"cannot read deployment {text!r}: use baseline, ngram:γ or eagle3:HEAD:γ")
+
+
+def head_available(name: str) -> bool:
+    from ..model.registry import resolve_head
+
+    try:
+        resolve_head(name)
+        return True
+    except Exception:
+        return False
+
+
+def preset(name: str, model: str = "commerce") -> SweepPlan:
+    """``paper``: the published study's grid. ``quick``: a taste of it in under 10 minutes on 2 cores."""
+    if name == "paper":
+        return SweepPlan(name="paper", deployments=[
+            baseline(model), spec_deployment(model, "eagle3", 3, "domain"),
+            spec_deployment(model, "eagle3", 5, "domain"), spec_deployment(model, "eagle3", 3, "generic")],
+            concurrencies=[1, 2, 4, 8, 16, 32], temperatures=[0.0, 0.5],
+            # 10..64 requests per point: about half an hour on 2 CPU cores; points are paired (the same
+            # requests on every deployment), so ratios stay tight even with few requests.
+            requests_per_stream=2, min_requests=10, max_tokens=96)
+    if name == "quick":
+        deps = [baseline(model), spec_deployment(model, "ngram", 3)]
+        if head_available("domain"):
+            deps.append(spec_deployment(model, "eagle3", 3, "domain"))
+        return SweepPlan(name="quick", deployments=deps, concurrencies=[1, 8], temperatures=[0.0],
+                         requests_per_stream=3, min_requests=8, max_tokens=96)
+    raise ValueError(f"unknown preset {name!r}: quick or paper")
+
+
+# --- request sets -------------------------------------------------------------
+
+
+def load_request_set(name: str, n: int, max_tokens: int, structured: bool = False) -> list[ChatRequest]:
+    """``commerce`` (the task's test split, search and support mixed), ``search``, ``support``, or a JSONL file."""
+    from ..task.data import read_requests
+    from ..task.generator import generate
+
+    if name in ("commerce", "search", "support"):
+        reqs = generate("test", max(4 * n, 64))
+        if name != "commerce":
+            reqs = [r for r in reqs if r.task == name]
+    else:
+        reqs = read_requests(name)
+    return chat_requests(reqs[: max(n, 1) + 16], max_tokens, structured)
+
+
+# --- deployments ---------------------------------------------------------------
+
+
+class Deployment(Protocol):
+    url: str
+
+    def alive(self) -> bool: ...
+    def describe(self) -> DeploymentInfo: ...
+    def died_reason(self) -> str: ...
+
+
+class VllmDeployment:
+    """A ``VllmServer`` seen through the sweep's eyes."""
+
+    def __init__(self, spec: DeploymentSpec, log_dir: Path):
+        from ..serving.server import VllmServer
+
+        self.server = VllmServer(spec, log_dir=log_dir)
+        self.spec = spec
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def alive(self) -> bool:
+        return self.server.alive()
+
+    def describe(self) -> DeploymentInfo:
+        from ..paths import dir_digest
+
+        info = self.server.info()
+        sp = self.spec.speculative
+        for key in ("model_dir", "head_dir"):  # the content, not just the path, says which model ran
+            path = Path(info.versions.get(key) or "")
+            if str(path) not in ("", ".") and path.is_dir():
+                info.versions[key.replace("_dir", "_digest")] = dir_digest(path)[:16]
+        return DeploymentInfo(label=self.spec.label, method=sp.method, gamma=sp.num_speculative_tokens,
+                              head=info.versions.get("head_dir") or None, model=info.versions.get("model_dir", ""),
+                              spec=info.spec, url=info.url, versions=info.versions, log_path=info.log_path)
+
+    def died_reason(self) -> str:
+        from ..serving.server import tail
+
+        code = self.server.proc.returncode if self.server.proc else None
+        log = tail(self.server.log_path, 200)
+        telling = [ln for ln in log.splitlines() if any(k in ln.lower() for k in ("error", "killed", "memory"))]
+        return f"vLLM server died (exit code {code}): {(telling[-1] if telling else 'no error line in log').strip()[-300:]}"
+
+
+@contextlib.contextmanager
+def launch_vllm(spec: DeploymentSpec, log_dir: Path) -> Iterator[VllmDeployment]:
+    dep = VllmDeployment(spec, log_dir)
+    dep.server.start()
+    try:
+        yield dep
+    finally:
+        dep.server.stop()
+
+
+class ExternalDeployment:
+    """An endpoint someone else runs (vLLM, SGLang, TensorRT-LLM...): measured, never started."""
+
+    def __init__(self, url: str, spec: DeploymentSpec, label: str, served_name: str):
+        self.url, self.spec, self.label, self.served_name = url.rstrip("/"), spec, label, served_name
+
+    def alive(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(self.url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def describe(self) -> DeploymentInfo:
+        import httpx
+
+        versions: dict[str, str] = {}
+        try:
+            r = httpx.get(self.url + "/version", timeout=5)
+            if r.status_code == 200:
+                versions["server"] = str(r.json().get("version"))
+        except (httpx.HTTPError, ValueError):
+            pass
+        sp = self.spec.speculative
+        return DeploymentInfo(label=self.label, method=sp.method, gamma=sp.num_speculative_tokens, head=sp.model,
+                              model=self.served_name, spec=self.spec.model_dump(mode="json"), url=self.url,
+                              versions=versions)
+
+    def died_reason(self) -> str:
+        return f"the endpoint {self.url} stopped answering /health"
+
+
+Launcher = Callable[[DeploymentSpec, Path], contextlib.AbstractContextManager]
+
+
+def served_model_name(url: str) -> str:
+    import httpx
+
+    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=10)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+# --- the run -----------------------------------------------------------------
+
+
+class Reporter(Protocol):
+    """What the sweep tells the outside world (a rich progress display, or nothing)."""
+
+    def start(self, total: int, done: int) -> None: ...
+    def deployment(self, label: str, state: str) -> None: ...
+    def point_started(self, cfg: PointConfig) -> None: ...
+    def request_done(self, ok: bool) -> None: ...
+    def point_finished(self, res: PointResult) -> None: ...
+    def stop(self) -> None: ...
+
+
+class SilentReporter:
+    def start(self, total, done): pass
+    def deployment(self, label, state): pass
+    def point_started(self, cfg): pass
+    def request_done(self, ok): pass
+    def point_finished(self, res): pass
+    def stop(self): pass
+
+
+def write_run_file(out: Path, plan: SweepPlan, machine: Machine) -> None:
+    path = out / "run.json"
+    prev = json.loads(path.read_text()) if path.exists() else {}
+    runs = prev.get("invocations", [])
+    runs.append({"started_at": now_iso()})
+    path.write_text(json.dumps({"plan": plan.model_dump(mode="json"), "machine": machine.model_dump(mode="json"),
+                                "created_at": prev.get("created_at", now_iso()), "invocations": runs}, indent=2))
+
+
+def finish_run_file(out: Path, seconds: float, measured: int, skipped: int) -> None:
+    path = out / "run.json"
+    data = json.loads(path.read_text())
+    data["invocations"][-1].update(finished_at=now_iso(), seconds=round(seconds, 1), points_measured=measured,
+                                   points_skipped=skipped)
+    path.write_text(json.dumps(data, indent=2))
+
+
+def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None,
+              reporter: Reporter | None = None) -> list[PointResult]:
+    """Measure every unfinished point of ``plan`` into ``out/results.jsonl``; returns all results."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    reporter = reporter or SilentReporter()
+    machine = Machine.here()
+    write_run_file(out, plan, machine)
+    done = finished_keys(out)
+    total = len(plan.all_points())
+    skipped = sum(1 for p in plan.all_points() if p.key in done)
+    reporter.start(total, skipped)
+    t0 = time.monotonic()
+    measured = 0
+    try:
+        for spec in plan.deployments:
+            label = spec.label
+            if plan.server_url and spec.speculative.method == "none" and len(plan.deployments) == 1 \
+                    and spec.model != "commerce":
+                label = spec.model  # an unlabelled external endpoint: named after its model
+            pending = [p for p in plan.points(spec, label) if p.key not in done]
+            if not pending:
+                reporter.deployment(label, "done")
+                continue
+            measured += _run_deployment(plan, spec, pending, out, machine, launcher, reporter)
+    finally:
+        reporter.stop()
+        finish_run_file(out, time.monotonic() - t0, measured, skipped)
+    return load_results(out)
+
+
+def _start(plan: SweepPlan, spec: DeploymentSpec, out: Path, launcher: Launcher | None, label: str):
+    if plan.server_url:
+        name = plan.served_name or served_model_name(plan.server_url)
+        return contextlib.nullcontext(ExternalDeployment(plan.server_url, spec, label, name)), name
+    return (launcher or launch_vllm)(spec, out / "logs"), spec.name
+
+
+def _run_deployment(plan: SweepPlan, spec: DeploymentSpec, pending: list[PointConfig], out: Path,
+                    machine: Machine, launcher: Launcher | None, reporter: Reporter) -> int:
+    """Start one deployment, measure its pending points; a server that dies is restarted once."""
+    label = pending[0].deployment
+    restarts = 0
+    measured = 0
+    info: DeploymentInfo | None = None
+    while pending:
+        reporter.deployment(label, "starting")
+        try:
+            cm, model_name = _start(plan, spec, out, launcher, label)
+            dep = cm.__enter__()
+        except Exception as exc:  # a missing head, an engine that rejects the config...
+            reason = f"deployment did not start: {getattr(exc, 'reason', None) or exc}"
+            reporter.deployment(label, "failed")
+            for cfg in pending:
+                res = PointResult.failed(cfg, reason[:2000], machine=machine)
+                append_result(out, res)
+                reporter.point_finished(res)
+            return measured + len(pending)
+        try:
+            info = dep.describe()
+            reporter.deployment(label, "running")
+            while pending:
+                cfg = pending[0]
+                res = _measure(plan, cfg, dep, model_name, info, machine, reporter)
+                append_result(out, res)
+                reporter.point_finished(res)
+                pending.pop(0)
+                measured += 1
+                if res.status == "failed" and not dep.alive():
+                    break
+        finally:
+            cm.__exit__(None, None, None)
+        if pending:
+            restarts += 1
+            if restarts > 1 or plan.server_url:
+                reason = "server died twice" if not plan.server_url else dep.died_reason()
+                for cfg in pending:
+                    res = PointResult.failed(cfg, reason, machine=machine, deployment=info)
+                    append_result(out, res)
+                    reporter.point_finished(res)
+                return measured + len(pending)
+    return measured
+
+
+def _measure(plan: SweepPlan, cfg: PointConfig, dep: Any, model_name: str, info: DeploymentInfo,
+             machine: Machine, reporter: Reporter) -> PointResult:
+    reporter.point_started(cfg)
+    started = now_iso()
+    try:
+        requests = load_request_set(cfg.request_set, cfg.n_requests + cfg.warmup, cfg.max_tokens, cfg.structured)
+        load = LoadConfig(mode=cfg.mode, concurrency=cfg.concurrency or 1, rate=cfg.rate, n_requests=cfg.n_requests,
+                          duration_s=cfg.duration_s, warmup=cfg.warmup, temperature=cfg.temperature, seed=cfg.seed)
+        result = asyncio.run(run_load(dep.url, model_name, requests, load,
+                                      on_done=lambda r: reporter.request_done(r.ok)))
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        if not dep.alive():
+            reason = dep.died_reason()
+        return PointResult.failed(cfg, reason[:2000], started_at=started, machine=machine, deployment=info)
+    if not dep.alive():
+        return PointResult.failed(cfg, dep.died_reason(), started_at=started, machine=machine, deployment=info,
+                                  records=result.records, wall_s=result.wall_s, n_requests=len(result.records),
+                                  n_errors=sum(1 for r in result.records if not r.ok))
+    res = PointResult.measured(cfg, result.records, result.wall_s, result.spec, started_at=started,
+                               machine=machine, deployment=info, n_warmup=result.n_warmup)
+    if res.n_errors == res.n_requests:
+        first = next((r.error for r in result.records if r.error), "")
+        return PointResult.failed(cfg, f"every request failed: {first}", started_at=started, machine=machine,
+                                  deployment=info, records=result.records, wall_s=result.wall_s,
+                                  n_requests=res.n_requests, n_errors=res.n_errors)
+    return res
+
+

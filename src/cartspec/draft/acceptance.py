@@ -1,0 +1,207 @@
+"""Acceptance of a speculative method, measured in vLLM or simulated offline.
+
+``measure_vllm``: one deployment (the target + ``eagle3`` head or ``ngram``),
+every request at temperature 0 with ``--per-request-spec-decode-metrics
+detailed`` and ``return_token_ids``; τ and the acceptance rate come from the
+per-request ``per_step_accepted`` / ``per_step_drafted`` counts, by-class from
+aligning those steps to the output tokens (``simulate.steps_from_vllm``).
+
+``measure_simulated``: the same figures from the target's greedy outputs
+(``simulate``), without a server.
+
+Both return ``{"tau", "acceptance_rate", "per_position", "by_class", ...}`` plus
+run metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..task.data import Request, read_requests
+
+SPLIT_SIZES = {"train": 2400, "dev": 200, "test": 400}  # `cartspec data` defaults
+
+
+def load_data(data: str, limit: int | None = None, seed: int = 0) -> list[Request]:
+    """``train|dev|test`` (generated, seed 0, the sizes ``cartspec data`` writes) or a JSONL file."""
+    if data in SPLIT_SIZES:
+        from ..task.generator import generate
+
+        reqs = generate(data, SPLIT_SIZES[data], seed)  # type: ignore[arg-type]
+    else:
+        reqs = read_requests(data)
+    return reqs[:limit] if limit else reqs
+
+
+def _classes_for(tokenizer, reqs: Sequence[Request], outputs: Sequence[Sequence[int]]) -> list[list[str]]:
+    from .classes import request_text, token_classes
+
+    return [token_classes(tokenizer, out, request_text(r)) for r, out in zip(reqs, outputs)]
+
+
+def _count_classes(classes: Sequence[Sequence[str]]) -> dict[str, int]:
+    from collections import Counter
+
+    c = Counter(x for cl in classes for x in cl)
+    return dict(c)
+
+
+def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], head: str | None = None,
+                 concurrency: int = 8, max_tokens: int = 192, log_dir: str | Path = "runs/logs",
+                 log: Callable[[str], None] = print, enforce_eager: bool = False,
+                 on_done: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from ..model.registry import resolve_head, resolve_model
+    from ..serving.client import ChatClient, gather_limited
+    from ..serving.engine import engine_versions
+    from ..serving.server import VllmServer
+    from ..serving.spec import DeploymentSpec, Speculative
+    from ..task.prompts import messages
+    from .simulate import steps_from_vllm, summarize
+
+    model_dir = resolve_model(target)
+    head_dir = resolve_head(head) if method == "eagle3" else None
+    sp = Speculative(method=method, num_speculative_tokens=gamma,
+                     model=str(head_dir) if head_dir else None)
+    spec = DeploymentSpec(name="cartspec", model=str(model_dir), speculative=sp, enforce_eager=enforce_eager,
+                          max_num_seqs=max(concurrency, 1))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    t0 = time.perf_counter()
+    with VllmServer(spec, log_dir=log_dir, model_dir=model_dir, head_dir=head_dir) as server:
+        log(f"vLLM up in {time.perf_counter() - t0:.0f}s: {sp.label} on {model_dir.name}")
+
+        async def run() -> list[Any]:
+            async with ChatClient(server.url, spec.name, timeout=600) as client:
+                done = [0]
+
+                def tick(i, res):
+                    done[0] += 1
+                    if on_done:
+                        on_done(done[0], len(reqs))
+
+                return await gather_limited(
+                    (client.chat(messages(r), max_tokens=max_tokens, temperature=0.0,
+                                 extra={"return_token_ids": True}) for r in reqs), concurrency, tick)
+
+        t1 = time.perf_counter()
+        results = asyncio.run(run())
+        wall = time.perf_counter() - t1
+        versions = server.info().versions
+    errors = [r for r in results if isinstance(r, Exception)]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(reqs)} requests failed; first: {errors[0]}")
+    outputs = []
+    steps = []
+    for c in results:
+        ch = c.raw["choices"][0]
+        ids = ch.get("token_ids") or []
+        outputs.append(ids)
+    classes = _classes_for(tok, reqs, outputs)
+    missing = 0
+    for c, cl in zip(results, classes):
+        s = c.spec or {}
+        if "per_step_accepted" not in s and s.get("num_spec_steps", 0):
+            missing += 1
+        steps.append(steps_from_vllm(s.get("per_step_accepted", []), s.get("per_step_drafted", []), cl))
+    summary = summarize(steps, gamma, _count_classes(classes))
+    # vLLM's own per-request summary, aggregated, as a cross-check of the per-step arrays
+    n_steps = sum((c.spec or {}).get("num_spec_steps", 0) for c in results)
+    n_acc = sum((c.spec or {}).get("num_accepted_draft_tokens", 0) for c in results)
+    n_draft = sum((c.spec or {}).get("num_draft_tokens", 0) for c in results)
+    summary["engine_counts"] = {"num_spec_steps": n_steps, "num_accepted_draft_tokens": n_acc,
+                                "num_draft_tokens": n_draft,
+                                "tau": 1 + n_acc / n_steps if n_steps else 1.0,
+                                "acceptance_rate": n_acc / n_draft if n_draft else 0.0}
+    if method == "ngram":
+        # n-gram steps without a match propose nothing and are not reported per step, so the
+        # per-step counts cannot be placed on output tokens by counting; the proposer is
+        # deterministic, so replaying it on (prompt + output) places them (checked per request)
+        aligned = _ngram_alignment(results, outputs, classes, gamma, spec)
+        if aligned.get("by_class_aligned") is not None:
+            counts = _count_classes(classes)
+            summary["by_class"] = {c: {**v, "tokens": counts.get(c, 0)} for c, v in aligned["by_class_aligned"].items()}
+            summary["by_class_note"] = ("aligned by replaying vLLM's n-gram proposer on prompt + output; "
+                                        f"replay reproduces the engine's per-step counts for "
+                                        f"{aligned['replay_agrees_with_engine']}")
+        summary["replay_agrees_with_engine"] = aligned.get("replay_agrees_with_engine")
+    out_tokens = sum(len(o) for o in outputs)
+    return {**summary, "mode": "vllm", "method": method, "gamma": gamma, "target": str(model_dir),
+            "head": str(head_dir) if head_dir else None, "n": len(reqs), "temperature": 0.0,
+            "concurrency": concurrency, "max_tokens": max_tokens, "output_tokens": out_tokens,
+            "wall_s": round(wall, 1), "output_tokens_per_s": round(out_tokens / wall, 1) if wall else None,
+            "requests_without_step_metrics": missing, "engine": versions}
+
+
+def _ngram_alignment(results, outputs, classes, gamma, spec) -> dict[str, Any]:
+    """Replay vLLM's n-gram proposer on each (prompt + output) to place its verify steps."""
+    from .simulate import simulate_ngram, summarize
+
+    sp = spec.speculative
+    seqs = []
+    for c, out in zip(results, outputs):
+        p = c.raw.get("prompt_token_ids") or []
+        seqs.append((list(p) + list(out), len(p)))
+    if not all(p for _, p in seqs):
+        return {"by_class_aligned": None}
+    _, steps = simulate_ngram(seqs, gamma, sp.prompt_lookup_min or 2, sp.prompt_lookup_max or 4, classes)
+    agree = 0
+    for c, st in zip(results, steps):
+        s = c.spec or {}
+        agree += int([x.accepted for x in st] == list(s.get("per_step_accepted", [])))
+    return {"by_class_aligned": summarize(steps, gamma)["by_class"], "replay_agrees_with_engine":
+            f"{agree}/{len(results)} requests"}
+
+
+def greedy_features(target: str, reqs: Sequence[Request], max_tokens: int = 192, log: Callable[[str], None] = print,
+                    enforce_eager: bool = False):
+    """Target greedy outputs (vLLM offline) and their features, cached."""
+    from transformers import AutoTokenizer
+
+    from ..model.registry import resolve_model
+    from ..task.prompts import render
+    from .features import FeatureSet, Sampling, build_features
+
+    model_dir = resolve_model(target)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok(render(tok, r), add_special_tokens=False).input_ids for r in reqs]
+    d, records, shards = build_features(model_dir, prompts, [Sampling(0.0, max_tokens=max_tokens)] * len(prompts),
+                                        tag="greedy", enforce_eager=enforce_eager, log=log)
+    return model_dir, tok, records, FeatureSet.load(shards)
+
+
+def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Request], head: str | None = None,
+                      max_tokens: int = 192, log: Callable[[str], None] = print,
+                      progress: Callable[[int, int], None] | None = None, enforce_eager: bool = False,
+                      ) -> dict[str, Any]:
+    from ..model.registry import resolve_head
+    from ..serving.engine import engine_versions
+    from .export import load_head
+    from .simulate import simulate, simulate_ngram, summarize
+    from .train import load_target_weights
+
+    t0 = time.perf_counter()
+    model_dir, tok, records, fs = greedy_features(target, reqs, max_tokens, log, enforce_eager)
+    classes = _classes_for(tok, reqs, [r["output_ids"] for r in records])
+    counts = _count_classes(classes)
+    head_dir = None
+    if method == "eagle3":
+        head_dir = resolve_head(head)
+        h = load_head(head_dir)
+        embed = load_target_weights(model_dir)["embed"].float()
+        summary, _ = simulate(h, embed, fs, gamma, classes, progress)
+    elif method == "ngram":
+        seqs = [(list(r["prompt_ids"]) + list(r["output_ids"]), len(r["prompt_ids"])) for r in records]
+        summary, _ = simulate_ngram(seqs, gamma, 2, 4, classes)
+    else:
+        raise ValueError(f"cannot simulate method {method!r}")
+    for c in summary["by_class"]:
+        summary["by_class"][c]["tokens"] = counts.get(c, 0)
+    return {**summary, "mode": "simulate", "method": method, "gamma": gamma, "target": str(model_dir),
+            "head": str(head_dir) if head_dir else None, "n": len(reqs), "temperature": 0.0,
+            "max_tokens": max_tokens, "output_tokens": sum(len(r["output_ids"]) for r in records),
+            "wall_s": round(time.perf_counter() - t0, 1), "engine": engine_versions()}

@@ -1,0 +1,205 @@
+"""``cartspec draft``: train EAGLE-3 heads and measure their acceptance."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="EAGLE-3 draft heads: train them for the served target, measure acceptance.")
+console = Console(stderr=True)
+
+
+def _fail(msg: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(code)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console, transient=False)
+
+
+def _prompts(kind: str, tok, n: int, seed: int) -> tuple[list[list[int]], str]:
+    if kind == "domain":
+        from ..task.generator import generate
+        from ..task.prompts import render
+
+        reqs = generate("train", n, seed)
+        texts = [render(tok, r) for r in reqs]
+        desc = f'generate("train", {n}, seed={seed}) rendered with the chat template'
+    else:
+        from .general_prompts import general_prompts, render_general
+
+        texts = [render_general(tok, p) for p in general_prompts(n, seed)]
+        desc = f"general_prompts({n}, seed={seed}) (built-in, non-commerce), user turn only"
+    return [tok(t, add_special_tokens=False).input_ids for t in texts], desc
+
+
+@app.command()
+def train(
+    kind: str = typer.Option(..., "--kind", help="generic (base model, general prompts) | domain (commerce)"),
+    target: Optional[str] = typer.Option(None, help="model the head drafts for: base | commerce | PATH "
+                                                    "(default: base for generic, commerce for domain)"),
+    out: Optional[Path] = typer.Option(None, help="head directory (default: the bundled assets/heads/KIND)"),
+    prompts: int = typer.Option(1200, help="training prompts"),
+    sampled: float = typer.Option(0.5, help="extra sampled answers, as a share of the prompts (temperature below)"),
+    temperature: float = typer.Option(0.7, help="temperature of the sampled answers"),
+    max_tokens: int = typer.Option(192, help="response length cap when regenerating"),
+    steps: Optional[int] = typer.Option(None, help="optimiser steps (overrides --epochs)"),
+    epochs: float = typer.Option(1.0),
+    ttt_steps: int = typer.Option(5, "--ttt-steps", help="k: unrolled draft steps in the training-time test"),
+    draft_vocab: int = typer.Option(8192, help="draft vocabulary size"),
+    lr: float = typer.Option(1e-3),
+    batch_tokens: int = typer.Option(2048, help="padded tokens per batch"),
+    max_minutes: Optional[float] = typer.Option(None, help="stop training (checkpointed, exported) after this long"),
+    save_every: int = typer.Option(50),
+    seed: int = typer.Option(0),
+    enforce_eager: bool = typer.Option(False, help="vLLM without torch.compile when regenerating"),
+) -> None:
+    """Regenerate the target's answers, capture its features, train the head (resumable), export it."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from ..model.convert import ModelNotFound
+    from ..model.registry import HEADS_DIR, resolve_model
+    from ..paths import config_digest, home
+    from .export import export_head, head_size_bytes
+    from .features import FeatureSet, Sampling, build_features, model_key
+    from .head import param_count
+    from .train import TrainConfig, train_head
+
+    if kind not in ("generic", "domain"):
+        _fail("--kind must be generic or domain")
+    target = target or ("base" if kind == "generic" else "commerce")
+    try:
+        model_dir = resolve_model(target)
+    except ModelNotFound as exc:
+        _fail(str(exc))
+    out = out or HEADS_DIR / kind
+    t_start = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids, prompt_desc = _prompts(kind, tok, prompts, seed)
+    n_s = int(round(sampled * len(prompt_ids)))
+    all_prompts = prompt_ids + prompt_ids[:n_s]
+    sampling = [Sampling(0.0, max_tokens=max_tokens)] * len(prompt_ids) + \
+        [Sampling(temperature, top_p=0.95, max_tokens=max_tokens, seed=seed * 100003 + i) for i in range(n_s)]
+    console.print(f"target {model_dir}: {len(prompt_ids)} greedy + {n_s} sampled (T={temperature}) answers")
+    with _progress() as pg:
+        task = pg.add_task("features", total=len(all_prompts), info="regenerating with vLLM")
+        fdir, records, shards = build_features(
+            model_dir, all_prompts, sampling, tag=kind, enforce_eager=enforce_eager, log=console.print,
+            progress=lambda d, t: pg.update(task, completed=d, total=t, info="HF forward, aux states"))
+        pg.update(task, completed=len(all_prompts), info=str(fdir))
+    t_feat = time.perf_counter() - t_start
+    fs = FeatureSet.load(shards)
+    resp_tokens = int(sum(len(r["output_ids"]) for r in records))
+    console.print(f"features: {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens ({resp_tokens} response) in {fdir}")
+
+    cfg = TrainConfig(ttt_steps=ttt_steps, lr=lr, batch_tokens=batch_tokens, epochs=epochs, steps=steps,
+                      draft_vocab_size=draft_vocab, save_every=save_every, seed=seed, max_minutes=max_minutes)
+    data_key = fdir.name
+    work = home() / "draft" / "runs" / f"{kind}-{config_digest([str(out.resolve()), data_key])}"
+    extra_vocab = [t for p in prompt_ids for t in p]
+    with _progress() as pg:
+        task = pg.add_task("train", total=1, info="")
+
+        def on_step(step: int, total: int, rec: dict) -> None:
+            accs = " ".join(f"{a:.2f}" if a is not None else "-" for a in rec["acc"])
+            pg.update(task, completed=step, total=total, info=f"loss {rec['loss']:.3f} acc/step [{accs}]")
+
+        head, summary = train_head(fs, model_dir, work, cfg, extra_vocab_tokens=extra_vocab, data_key=data_key,
+                                   on_step=on_step, log=console.print)
+    export_head(head, out, metadata={"kind": kind, "target": str(model_dir)})
+    (out / "training_log.json").write_text((work / "training_log.json").read_text())
+    size = head_size_bytes(out)
+    total_s = time.perf_counter() - t_start
+    meta = json.loads((fdir / "meta.json").read_text())
+    cmd = "cartspec draft " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("train"):]) \
+        if "train" in sys.argv else "cartspec draft train --kind " + kind
+    (out / "PROVENANCE.md").write_text(f"""# EAGLE-3 head: `{kind}`
+
+Built with
+
+```
+{cmd}
+```
+
+- target: `{model_dir}` (`{target}`, weights key {model_key(model_dir)})
+- prompts: {prompt_desc}; answers regenerated by the target with vLLM offline:
+  {len(prompt_ids)} greedy + {n_s} sampled (temperature {temperature}, top-p 0.95), max {max_tokens} tokens;
+  {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens, {resp_tokens} response tokens
+- aux layers (vLLM ids = HF hidden_states indices): {fs.layer_ids}
+- head: {param_count(head) / 1e6:.2f} M parameters, draft vocabulary {summary['draft_vocab_size']},
+  norm_before_residual={cfg.norm_before_residual}; `model.safetensors` bf16, {size / 1e6:.1f} MB
+- training-time test: k={ttt_steps} steps, weights 0.8^step, lr {lr} (cosine), {batch_tokens} tokens/batch,
+  {summary['steps']} optimiser steps ({summary['steps_per_epoch']} per epoch){' — stopped early by --max-minutes' if summary['stopped_early'] else ''}
+- per-step accuracy (mean of the last 20 batches, vs the target's greedy token): {summary['acc_per_step_last20']}
+- time on this machine ({torch.get_num_threads()} threads): features {t_feat / 60:.1f} min (incl. regeneration,
+  cached on reruns), training {summary['seconds'] / 60:.1f} min, total {total_s / 60:.1f} min
+- training log (loss and accuracy per step, every batch): `training_log.json`
+""")
+    console.print(f"[green]head[/] -> {out} ({size / 1e6:.1f} MB, {summary['steps']} steps, "
+                  f"{summary['seconds'] / 60:.1f} min training; acc/step {summary['acc_per_step_last20']})")
+
+
+@app.command()
+def acceptance(
+    head: Optional[str] = typer.Option(None, help="generic | domain | PATH (method eagle3)"),
+    gamma: int = typer.Option(3, "--gamma", help="γ: draft tokens per verify step"),
+    data: str = typer.Option("test", help="train | dev | test | FILE.jsonl"),
+    out: Path = typer.Option(..., help="where the JSON goes"),
+    simulate: bool = typer.Option(False, "--simulate", help="offline simulator instead of a vLLM deployment"),
+    method: str = typer.Option("eagle3", help="eagle3 | ngram"),
+    target: str = typer.Option("commerce", help="served model: commerce | base | PATH"),
+    limit: Optional[int] = typer.Option(None, help="first N requests only"),
+    concurrency: int = typer.Option(8),
+    max_tokens: int = typer.Option(192),
+    enforce_eager: bool = typer.Option(False, help="vLLM without torch.compile"),
+) -> None:
+    """τ, acceptance rate, per-position and by-class acceptance at temperature 0."""
+    from ..model.convert import ModelNotFound
+    from ..serving.server import DeploymentError
+    from ..task.data import DataFileError
+    from .acceptance import load_data, measure_simulated, measure_vllm
+
+    if method not in ("eagle3", "ngram"):
+        _fail("--method must be eagle3 or ngram")
+    if method == "eagle3" and not head:
+        _fail("--head is required with --method eagle3")
+    try:
+        reqs = load_data(data, limit)
+    except DataFileError as exc:
+        _fail(str(exc))
+    with _progress() as pg:
+        task = pg.add_task(f"{method} γ={gamma}", total=len(reqs), info="simulating" if simulate else "vLLM")
+        prog = lambda d, t: pg.update(task, completed=d, total=t)  # noqa: E731
+        try:
+            if simulate:
+                res = measure_simulated(target, method, gamma, reqs, head=head, max_tokens=max_tokens,
+                                        log=console.print, progress=prog, enforce_eager=enforce_eager)
+            else:
+                res = measure_vllm(target, method, gamma, reqs, head=head, concurrency=concurrency,
+                                   max_tokens=max_tokens, log=console.print, enforce_eager=enforce_eager,
+                                   on_done=prog)
+        except (ModelNotFound, DeploymentError, FileNotFoundError) as exc:
+            _fail(str(exc))
+    res["data"] = data
+    res["head_name"] = head
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    pp = " ".join(f"{x:.3f}" for x in res["per_position"])
+    console.print(f"{res['mode']} {method}{'/' + head if head else ''} γ={gamma} n={res['n']}: "
+                  f"τ={res['tau']:.3f} acceptance={res['acceptance_rate']:.3f} per-position [{pp}]")
+    for c, v in res["by_class"].items():
+        if v["reached"]:
+            console.print(f"  {c:22s} {v['accepted']:6d}/{v['reached']:<6d} = {v['acceptance']:.3f}")
+    console.print(f"-> {out}")

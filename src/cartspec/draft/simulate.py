@@ -1,0 +1,179 @@
+"""Offline acceptance: chain drafting simulated on the target's greedy outputs.
+
+At temperature 0 the target's output does not depend on the drafts, so one
+greedy generation (vLLM offline, cached) plus one HF forward pass for the aux
+states give everything a server would see. A verify step that starts after
+output token ``o_j`` (sequence position ``p``) drafts from chain start
+``i = p - 1``: step ``s`` reads ``x[i+1+s]`` and proposes ``x[i+2+s]``. Drafts
+are accepted while they equal the target's tokens; ``a`` accepted drafts emit
+``a + 1`` tokens (the bonus), and the next step starts ``a + 1`` later. Teacher
+forcing with the true tokens is exact up to the first rejection, which is all
+that counts. The first output token comes from prefill and is never drafted,
+as in vLLM.
+
+``summarize`` turns per-step records (accepted, drafted, classes of the drafted
+positions) into the metric shape shared with ``acceptance`` (design.md §6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .classes import CLASSES
+from .features import FeatureSet
+from .head import Eagle3Head
+
+
+@dataclass
+class Step:
+    accepted: int
+    drafted: int
+    classes: list[str] = field(default_factory=list)  # class of each drafted position that has a true token
+
+
+def summarize(steps_per_request: Sequence[Sequence[Step]], gamma: int, tokens_by_class: dict[str, int] | None = None,
+              ) -> dict[str, Any]:
+    """τ, acceptance rate, per-position and by-class acceptance from verify steps.
+
+    ``by_class[c]``: ``reached`` = drafts of class ``c`` the verifier looked at
+    (every draft up to and including the first rejected one), ``accepted`` =
+    those accepted, ``acceptance`` = accepted / reached (the draft's hit rate
+    on that kind of token).
+    """
+    n_steps = n_acc = n_draft = 0
+    per_pos = [0] * gamma
+    by: dict[str, dict[str, int]] = {c: {"reached": 0, "accepted": 0} for c in CLASSES}
+    for steps in steps_per_request:
+        for st in steps:
+            n_steps += 1
+            n_acc += st.accepted
+            n_draft += st.drafted
+            for k in range(min(st.accepted, gamma)):
+                per_pos[k] += 1
+            for k, c in enumerate(st.classes[:st.accepted + 1]):
+                if k >= st.drafted:
+                    break
+                by[c]["reached"] += 1
+                if k < st.accepted:
+                    by[c]["accepted"] += 1
+    by_class = {c: {**v, "acceptance": (v["accepted"] / v["reached"]) if v["reached"] else None,
+                    **({"tokens": tokens_by_class.get(c, 0)} if tokens_by_class is not None else {})}
+                for c, v in by.items()}
+    return {
+        "tau": 1.0 + n_acc / n_steps if n_steps else 1.0,
+        "acceptance_rate": n_acc / n_draft if n_draft else 0.0,
+        "per_position": [x / n_steps if n_steps else 0.0 for x in per_pos],
+        "by_class": by_class,
+        "verify_steps": n_steps,
+        "accepted_tokens": n_acc,
+        "draft_tokens": n_draft,
+    }
+
+
+def steps_from_vllm(per_step_accepted: Sequence[int], per_step_drafted: Sequence[int], classes: Sequence[str],
+                    ) -> list[Step]:
+    """Align vLLM's per-request counts to output tokens.
+
+    Output token 0 comes from prefill; the step that follows output index ``q``
+    drafts tokens ``q+1 ..``; ``a`` accepted -> the next step follows ``q+a+1``.
+    """
+    out, q = [], 0
+    for a, d in zip(per_step_accepted, per_step_drafted):
+        cls = [classes[q + 1 + k] for k in range(d) if q + 1 + k < len(classes)]
+        out.append(Step(int(a), int(d), cls))
+        q += int(a) + 1
+    return out
+
+
+@torch.no_grad()
+def draft_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, s: int, gamma: int) -> torch.Tensor:
+    """[n_starts, gamma] target ids proposed from every chain start ``i`` in
+    ``[P-1, L-2]`` of sequence ``s`` (teacher-forced)."""
+    sl = fs.seq(s)
+    L = sl.stop - sl.start
+    P = int(fs.prompt_lens[s])
+    ids = fs.input_ids[sl].long()[None]
+    aux = fs.aux[sl].float()[None]
+    starts = torch.tensor([(0, i) for i in range(max(P - 1, 0), L - 1)], dtype=torch.long)
+    if starts.numel() == 0:
+        return torch.zeros(0, gamma, dtype=torch.long)
+    outs = head.unroll(embed, ids, aux, torch.tensor([L]), starts, gamma)
+    return torch.stack([head.to_target(o["logits"].argmax(-1)) for o in outs], dim=1)
+
+
+def simulate_sequence(pred: torch.Tensor, tokens: Sequence[int], prompt_len: int, gamma: int,
+                      classes: Sequence[str] | None = None) -> list[Step]:
+    """Walk the verify steps of one greedy output, given proposals ``pred[i - (P-1)]``."""
+    L = len(tokens)
+    P = prompt_len
+    steps: list[Step] = []
+    i = P - 1  # chain start: the last position the target has processed after prefill
+    while i + 2 < L:  # x[i+1] is the newest token; something left to propose
+        row = pred[i - (P - 1)]
+        a = 0
+        while a < gamma and i + 2 + a < L and int(row[a]) == int(tokens[i + 2 + a]):
+            a += 1
+        cls = []
+        if classes is not None:
+            cls = [classes[i + 2 + k - P] for k in range(gamma) if i + 2 + k < L]
+        steps.append(Step(a, gamma, cls))
+        i += a + 1
+    return steps
+
+
+def simulate(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamma: int,
+             classes: Sequence[Sequence[str]] | None = None,
+             progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, Any], list[list[Step]]]:
+    """Simulated chain drafting over every sequence of ``fs`` (greedy outputs)."""
+    head.eval()
+    all_steps = []
+    for s in range(fs.n_seqs):
+        sl = fs.seq(s)
+        pred = draft_predictions(head, embed, fs, s, gamma)
+        toks = fs.input_ids[sl].tolist()
+        all_steps.append(simulate_sequence(pred, toks, int(fs.prompt_lens[s]), gamma,
+                                           classes[s] if classes is not None else None))
+        if progress:
+            progress(s + 1, fs.n_seqs)
+    return summarize(all_steps, gamma), all_steps
+
+
+# --- n-gram (prompt lookup), vLLM's method, simulated ---------------------------------
+
+def ngram_propose(context: Sequence[int], gamma: int, n_min: int = 2, n_max: int = 4) -> list[int]:
+    """vLLM's n-gram proposer: the longest suffix n-gram (``n_max`` down to ``n_min``)
+    that occurred earlier; propose the tokens that followed its earliest occurrence."""
+    L = len(context)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = list(context[L - n:])
+        for st in range(0, L - n):
+            if list(context[st:st + n]) == suffix:
+                return list(context[st + n:st + n + gamma])
+    return []
+
+
+def simulate_ngram(sequences: Sequence[tuple[Sequence[int], int]], gamma: int, n_min: int = 2, n_max: int = 4,
+                   classes: Sequence[Sequence[str]] | None = None) -> tuple[dict[str, Any], list[list[Step]]]:
+    """Prompt-lookup drafting on greedy outputs ``(tokens, prompt_len)``; steps with no
+    match propose nothing (vLLM skips them: they are not verify steps with drafts)."""
+    all_steps = []
+    for s, (toks, P) in enumerate(sequences):
+        L = len(toks)
+        steps = []
+        j = P  # last emitted position
+        while j < L - 1:
+            prop = ngram_propose(toks[:j + 1], gamma, n_min, n_max)
+            if not prop:
+                j += 1
+                continue
+            a = 0
+            while a < len(prop) and j + 1 + a < L and prop[a] == toks[j + 1 + a]:
+                a += 1
+            cls = [classes[s][j + 1 + k - P] for k in range(len(prop)) if j + 1 + k < L] if classes else []
+            steps.append(Step(a, len(prop), cls))
+            j += a + 1
+        all_steps.append(steps)
+    return summarize(all_steps, gamma), all_steps

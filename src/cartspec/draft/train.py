@@ -1,0 +1,298 @@
+"""EAGLE-3 training-time test on cached target features; resumable.
+
+Every chain start ``i`` in a response (``i >= prompt_len - 1``, where serving
+starts drafting) is unrolled ``k`` steps, feeding the head's own hidden state
+back (``Eagle3Head.unroll``). Step ``s`` is scored with the soft cross-entropy
+to the target's next-token distribution at position ``i + 1 + s`` restricted to
+the draft vocabulary, weighted ``decay ** s``; per-step accuracy is the share
+of chains whose step-``s`` draft equals the target's greedy token (full vocab,
+so tokens missing from the draft vocabulary count as misses).
+
+A checkpoint (head, optimiser, step, vocabulary) is written every
+``save_every`` steps into ``OUT/checkpoint``; rerunning the same command with
+the same data resumes there, replaying the same batch order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .features import FeatureSet
+from .head import Eagle3Head, HeadConfig
+
+
+@dataclass
+class TrainConfig:
+    ttt_steps: int = 5
+    decay: float = 0.8
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    batch_tokens: int = 2048  # padded tokens per batch
+    epochs: float = 1.0
+    steps: int | None = None  # overrides epochs
+    draft_vocab_size: int = 8192
+    norm_before_residual: bool = True
+    save_every: int = 50
+    seed: int = 0
+    max_minutes: float | None = None  # stop early (checkpointed, exported) after this long
+    threads: int | None = None
+
+
+def load_target_weights(target_dir: Path) -> dict[str, torch.Tensor]:
+    """The target's embedding, lm_head (tied -> the embedding) and final norm."""
+    from safetensors import safe_open
+
+    want = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head", "model.norm.weight": "norm"}
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(target_dir).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                if k in want:
+                    out[want[k]] = fh.get_tensor(k)
+    if "embed" not in out:
+        raise ValueError(f"no model.embed_tokens.weight in {target_dir}")
+    out.setdefault("lm_head", out["embed"])
+    return out
+
+
+def select_draft_vocab(response_tokens: Sequence[int] | Counter, size: int, vocab_size: int,
+                       extra_tokens: Sequence[int] = (), must: Sequence[int] = ()) -> torch.Tensor:
+    """The ``size`` most frequent response tokens (then prompt tokens, then low ids), sorted by id."""
+    counts = response_tokens if isinstance(response_tokens, Counter) else Counter(response_tokens)
+    chosen: list[int] = []
+    seen: set[int] = set()
+
+    def add(t: int) -> None:
+        if len(chosen) < size and 0 <= t < vocab_size and t not in seen:
+            seen.add(t)
+            chosen.append(t)
+
+    for t in must:
+        add(int(t))
+    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        add(int(t))
+    for t, _ in sorted(Counter(extra_tokens).items(), key=lambda kv: (-kv[1], kv[0])):
+        add(int(t))
+    t = 0
+    while len(chosen) < min(size, vocab_size):  # low ids: bytes and the most common merges
+        add(t)
+        t += 1
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def init_head(cfg: HeadConfig, draft_ids: torch.Tensor, target: dict[str, torch.Tensor], seed: int) -> Eagle3Head:
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg)
+    for name, p in head.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    head.set_vocab(draft_ids)
+    with torch.no_grad():  # start from the target's own output layer and final norm
+        head.lm_head.weight.copy_(target["lm_head"][draft_ids].float())
+        if "norm" in target:
+            head.norm.weight.copy_(target["norm"].float())
+    return head
+
+
+def _plan_batches(fs: FeatureSet, batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
+    """Length-bucketed batches of sequence indices, shuffled per epoch (deterministic)."""
+    lens = (fs.offsets[1:] - fs.offsets[:-1]).tolist()
+    idx = [s for s in range(fs.n_seqs) if lens[s] - int(fs.prompt_lens[s]) >= 2]
+    rng = random.Random(seed * 1000 + epoch)
+    rng.shuffle(idx)
+    # sort within windows of 64 so batches hold similar lengths
+    out: list[list[int]] = []
+    for w in range(0, len(idx), 64):
+        window = sorted(idx[w:w + 64], key=lambda s: lens[s])
+        cur: list[int] = []
+        for s in window:
+            if cur and max(lens[c] for c in cur + [s]) * (len(cur) + 1) > batch_tokens:
+                out.append(cur)
+                cur = []
+            cur.append(s)
+        if cur:
+            out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def make_batch(fs: FeatureSet, seqs: list[int]) -> dict[str, torch.Tensor]:
+    lens = [fs.offsets[s + 1] - fs.offsets[s] for s in seqs]
+    T = int(max(lens))
+    B = len(seqs)
+    D = fs.aux.shape[-1]
+    H = fs.final.shape[-1]
+    ids = torch.zeros(B, T, dtype=torch.long)
+    aux = torch.zeros(B, T, D, dtype=fs.aux.dtype)
+    final = torch.zeros(B, T, H, dtype=fs.final.dtype)
+    argmax = torch.zeros(B, T, dtype=torch.long)
+    starts = []
+    for b, s in enumerate(seqs):
+        sl = fs.seq(s)
+        n = sl.stop - sl.start
+        ids[b, :n] = fs.input_ids[sl].long()
+        aux[b, :n] = fs.aux[sl]
+        final[b, :n] = fs.final[sl]
+        argmax[b, :n] = fs.argmax[sl].long()
+        p = int(fs.prompt_lens[s])
+        for i in range(max(p - 1, 0), n - 2):
+            starts.append((b, i))
+    return {"input_ids": ids, "aux": aux, "final": final, "argmax": argmax,
+            "lengths": torch.tensor([int(x) for x in lens]), "starts": torch.tensor(starts, dtype=torch.long)}
+
+
+def ttt_loss(head: Eagle3Head, embed: torch.Tensor, lm_dv: torch.Tensor, batch: dict[str, torch.Tensor],
+             steps: int, decay: float) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """Weighted soft cross-entropy over ``steps`` unrolled steps, and per-step stats."""
+    st = batch["starts"]
+    bi, ti = st[:, 0], st[:, 1]
+    outs = head.unroll(embed, batch["input_ids"], batch["aux"].float(), batch["lengths"], st, steps)
+    T = batch["input_ids"].shape[1]
+    with torch.no_grad():  # the target's distribution over the draft vocabulary, once per position
+        B = batch["final"].shape[0]
+        p_all = torch.softmax((batch["final"].reshape(B * T, -1).float() @ lm_dv.T).float(), dim=-1).view(B, T, -1)
+    total = torch.zeros(())
+    stats = []
+    for s, o in enumerate(outs):
+        valid = o["valid"]
+        if not bool(valid.any()):
+            stats.append({"n": 0, "loss": float("nan"), "acc": float("nan")})
+            continue
+        tpos = (ti + 1 + s).clamp(max=T - 1)
+        p = p_all[bi, tpos]
+        logq = torch.log_softmax(o["logits"].float(), dim=-1)
+        per = -(p * logq).sum(-1)
+        loss = per[valid].mean()
+        total = total + (decay ** s) * loss
+        with torch.no_grad():
+            pred = head.to_target(o["logits"].argmax(-1))
+            acc = (pred == batch["argmax"][bi, tpos])[valid].float().mean().item()
+        stats.append({"n": int(valid.sum()), "loss": loss.item(), "acc": acc})
+    return total, stats
+
+
+def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig,
+               extra_vocab_tokens: Sequence[int] = (), data_key: str = "",
+               on_step: Callable[[int, int, dict[str, Any]], None] | None = None,
+               log: Callable[[str], None] = print) -> tuple[Eagle3Head, dict[str, Any]]:
+    """Train (or resume) a head; returns it and a summary. ``OUT/checkpoint`` holds the state."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out_dir = Path(out_dir)
+    ckpt = out_dir / "checkpoint"
+    ckpt.mkdir(parents=True, exist_ok=True)
+    target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    tw = load_target_weights(Path(target_dir))
+    embed = tw["embed"].float()
+    V = int(target_cfg["vocab_size"])
+    eos = target_cfg.get("eos_token_id")
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+
+    resume = ckpt / "state.json"
+    state: dict[str, Any] | None = json.loads(resume.read_text()) if resume.exists() else None
+    run_id = {"data": data_key, "cfg": {k: v for k, v in asdict(cfg).items() if k not in ("max_minutes", "threads",
+                                                                                          "save_every")}}
+    if state is not None and state.get("run_id") != run_id:
+        log(f"checkpoint in {ckpt} is for another run (data or settings differ): starting over")
+        state = None
+    if state is not None:
+        draft_ids = torch.tensor(state["draft_ids"], dtype=torch.long)
+    else:
+        draft_ids = select_draft_vocab(Counter(fs.response_tokens()), min(cfg.draft_vocab_size, V), V,
+                                       extra_tokens=extra_vocab_tokens, must=eos_ids)
+    hcfg = HeadConfig.for_target(target_cfg, len(draft_ids), aux_layer_ids=fs.layer_ids,
+                                 norm_before_residual=cfg.norm_before_residual)
+    head = init_head(hcfg, draft_ids, tw, cfg.seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    step = 0
+    history: list[dict[str, Any]] = []
+    elapsed_before = 0.0
+    if state is not None:
+        head.load_state_dict(torch.load(ckpt / "head.pt", weights_only=True))
+        opt.load_state_dict(torch.load(ckpt / "optim.pt", weights_only=True))
+        step = int(state["step"])
+        history = state.get("history", [])
+        elapsed_before = float(state.get("seconds", 0.0))
+        log(f"resuming from step {step} ({ckpt})")
+
+    lm_dv = tw["lm_head"][draft_ids].float()
+    per_epoch = len(_plan_batches(fs, cfg.batch_tokens, cfg.seed, 0))
+    total = cfg.steps if cfg.steps is not None else max(1, int(math.ceil(cfg.epochs * per_epoch)))
+    # the same order on every run: epoch e, batch j -> global step
+    schedule: list[list[int]] = []
+    e = 0
+    while len(schedule) < total:
+        schedule += _plan_batches(fs, cfg.batch_tokens, cfg.seed, e)
+        e += 1
+    schedule = schedule[:total]
+
+    def save(final_step: int, seconds: float) -> None:
+        torch.save(head.state_dict(), ckpt / "head.pt.tmp")
+        torch.save(opt.state_dict(), ckpt / "optim.pt.tmp")
+        (ckpt / "head.pt.tmp").replace(ckpt / "head.pt")
+        (ckpt / "optim.pt.tmp").replace(ckpt / "optim.pt")
+        tmp = ckpt / "state.json.tmp"
+        tmp.write_text(json.dumps({"run_id": run_id, "step": final_step, "total": total, "seconds": seconds,
+                                   "draft_ids": draft_ids.tolist(), "history": history}))
+        tmp.replace(resume)
+
+    t0 = time.perf_counter()
+    head.train()
+    stopped_early = False
+    while step < total:
+        batch = make_batch(fs, schedule[step])
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, total, cfg)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=embed.device.type == "cpu"):
+            loss, stats = ttt_loss(head, embed, lm_dv, batch, cfg.ttt_steps, cfg.decay)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        rec = {"step": step, "loss": round(loss.item(), 4), "lr": opt.param_groups[0]["lr"],
+               "tokens": int(batch["starts"].shape[0]),
+               "acc": [round(s["acc"], 4) if s["n"] else None for s in stats],
+               "step_loss": [round(s["loss"], 4) if s["n"] else None for s in stats]}
+        history.append(rec)
+        seconds = elapsed_before + time.perf_counter() - t0
+        if on_step:
+            on_step(step, total, rec)
+        if step % cfg.save_every == 0 or step == total:
+            save(step, seconds)
+        if cfg.max_minutes is not None and seconds > cfg.max_minutes * 60 and step < total:
+            save(step, seconds)
+            log(f"stopping after {seconds / 60:.1f} min (--max-minutes) at step {step}/{total}")
+            stopped_early = True
+            break
+    seconds = elapsed_before + time.perf_counter() - t0
+    head.eval()
+    tail = history[-min(len(history), 20):]
+    acc_tail = [sum(r["acc"][s] for r in tail if r["acc"][s] is not None) /
+                max(1, sum(1 for r in tail if r["acc"][s] is not None)) for s in range(cfg.ttt_steps)] if tail else []
+    summary = {"steps": step, "total_steps": total, "steps_per_epoch": per_epoch, "seconds": round(seconds, 1),
+               "stopped_early": stopped_early, "draft_vocab_size": len(draft_ids),
+               "final_loss": tail[-1]["loss"] if tail else None,
+               "acc_per_step_last20": [round(a, 4) for a in acc_tail], "config": asdict(cfg)}
+    (out_dir / "training_log.json").write_text(json.dumps({"summary": summary, "history": history}))
+    return head, summary

@@ -1,0 +1,101 @@
+"""The report's HTML: one file, no external resources (plots are inline PNG data URIs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jinja2
+
+TEMPLATE = r"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<title>cartspec study{% if summary.run.preset %} — {{ summary.run.preset }}{% endif %}</title>
+<style>
+body{font:14px/1.45 system-ui,-apple-system,Segoe UI,sans-serif;margin:2em auto;max-width:1200px;padding:0 1em;color:#222}
+h1{font-size:1.6em}h2{margin-top:2em;border-bottom:1px solid #ddd;padding-bottom:.2em}
+table{border-collapse:collapse;margin:.8em 0;font-size:12.5px}th,td{border:1px solid #ccc;padding:3px 7px;text-align:right}
+th{background:#f3f3f3}td.l,th.l{text-align:left}.verdict{background:#f5f9ff;border-left:4px solid #3a7bd5;padding:.8em 1em}
+.failed{color:#b00}.good{color:#070}.bad{color:#b00}figure{margin:1.2em 0}figure img{max-width:100%;border:1px solid #eee}
+figcaption{color:#555;font-size:12.5px}.muted{color:#777;font-size:12px}
+</style></head><body>
+<h1>cartspec study{% if summary.run.preset %}: <code>{{ summary.run.preset }}</code> preset{% endif %}</h1>
+<p class="muted">Run {{ summary.run.dir }} · {{ summary.run.machine.cpu or "" }}, {{ summary.run.machine.cores }} cores,
+{{ summary.run.machine.memory_gib }} GiB · {{ summary.run.engine.vllm or "" }} · torch {{ summary.run.engine.torch or "?" }}
+· sweep time {{ "%.1f"|format(summary.run.seconds / 60) }} min over {{ summary.run.invocations|length }} invocation(s)</p>
+
+<h2>Verdict</h2>
+<p class="verdict" id="verdict">{{ verdict }}</p>
+
+<h2>Beside the published study</h2>
+<p class="muted">PayPal Commerce Agent: llama3.1-nemotron-nano-8B + LoRA, EAGLE-3 on vLLM, 2×H100. Ours: this machine, this run.</p>
+<table id="published"><tr><th class="l">finding</th><th class="l">published</th><th class="l">this run</th></tr>
+{% for c in comparison %}<tr><td class="l">{{ c.finding }}</td><td class="l">{{ c.published }}</td><td class="l">{{ c.ours }}</td></tr>{% endfor %}
+</table>
+
+<h2>Plots</h2>
+{% for f in figures %}<figure id="fig-{{ f.id }}"><img class="plot" alt="{{ f.title }}" src="{{ f.src }}">
+<figcaption><b>{{ f.title }}.</b> {{ f.caption }}</figcaption></figure>
+{% else %}<p class="failed">No point was measured successfully: nothing to plot.</p>{% endfor %}
+
+<h2>Capacity under the {{ slo }} s E2EL SLO</h2>
+<p>Capacity: the highest goodput (requests/s meeting the SLO) one instance reached over the loads measured.
+{% if target %}Instances needed for a target load of <b>{{ "%.2f"|format(target) }} req/s</b>
+(default: twice the baseline's capacity — the study's "one GPU instead of two" question).{% endif %}</p>
+<table id="capacity"><tr><th class="l">deployment</th><th>T</th><th class="l">request set</th><th>capacity (req/s)</th>
+<th>at load</th><th>SLO attainment there</th><th>E2EL p99 there (s)</th><th>instances for target</th></tr>
+{% for c in caps %}<tr><td class="l">{{ c.deployment }}</td><td>{{ c.temperature }}</td><td class="l">{{ c.request_set }}</td>
+<td>{{ "%.3f"|format(c.capacity_rps) }}</td><td>{{ c.at_load }}</td><td>{{ pct(c.slo_attainment) }}</td>
+<td>{{ num(c.e2el_p99, 2) }}</td><td>{{ c.instances_needed if c.instances_needed is not none else "—" }}</td></tr>{% endfor %}
+</table>
+
+<h2>All points</h2>
+<p class="muted">Throughput in output tokens/s; latencies in seconds (TPOT and ITL in ms). Speedup = output throughput
+/ baseline's at the same load, temperature and request set. ITL is per streamed chunk (several tokens may share one).</p>
+<table id="points"><tr><th class="l">deployment</th><th>load</th><th>T</th><th class="l">set</th><th>req</th><th>err</th>
+<th>tok/s</th><th>speedup</th><th>TTFT p50</th><th>TPOT p50</th><th>ITL p50</th><th>E2EL p50</th><th>E2EL p99</th>
+<th>goodput</th><th>accept</th><th>τ</th></tr>
+{% for r in rows %}{% if r.status == "ok" %}<tr><td class="l">{{ r.deployment }}</td>
+<td>{{ r.concurrency if r.mode == "closed" else r.rate ~ "/s" }}</td><td>{{ r.temperature }}</td><td class="l">{{ r.request_set }}</td>
+<td>{{ r.n_requests }}</td><td>{{ r.n_errors }}</td><td>{{ num(r.output_throughput, 1) }}</td>
+<td class="{{ '' if r.method == 'none' else 'good' if r.speedup_vs_baseline and r.speedup_vs_baseline > 1 else 'bad' if r.speedup_vs_baseline else '' }}">{{ num(r.speedup_vs_baseline, 2) }}</td>
+<td>{{ num(r.ttft_p50, 3) }}</td><td>{{ ms(r.tpot_p50) }}</td><td>{{ ms(r.itl_p50) }}</td><td>{{ num(r.e2el_p50, 2) }}</td>
+<td>{{ num(r.e2el_p99, 2) }}</td><td>{{ num(r.goodput, 3) }}</td><td>{{ pct(r.acceptance_rate) }}</td><td>{{ num(r.tau, 2) }}</td></tr>
+{% endif %}{% endfor %}</table>
+
+{% set failed = rows|selectattr("status", "equalto", "failed")|list %}
+{% if failed %}<h2 class="failed">Failed points</h2>
+<table id="failed"><tr><th class="l">deployment</th><th>load</th><th>T</th><th class="l">reason</th></tr>
+{% for r in failed %}<tr><td class="l">{{ r.deployment }}</td><td>{{ r.concurrency or r.rate }}</td><td>{{ r.temperature }}</td>
+<td class="l"><pre style="white-space:pre-wrap;margin:0">{{ r.reason }}</pre></td></tr>{% endfor %}</table>{% endif %}
+
+<h2>Definitions</h2>
+<table>{% for k, v in summary.definitions.items() %}<tr><td class="l"><b>{{ k }}</b></td><td class="l">{{ v }}</td></tr>{% endfor %}</table>
+<p class="muted">Machine-readable: summary.json beside this file; every request: results.jsonl.
+Plots rendered: <span id="render-check">not checked (JavaScript off)</span></p>
+<script>
+// Self-check used by the report test in headless Chromium: how many plots decoded.
+window.addEventListener("load", function () {
+  var imgs = document.querySelectorAll("img.plot"), n = 0;
+  imgs.forEach(function (i) { if (i.complete && i.naturalWidth > 0) n++; });
+  document.getElementById("render-check").textContent = n + "/" + imgs.length;
+});
+</script>
+</body></html>
+"""
+
+
+def _num(v: Any, digits: int = 2) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def _pct(v: Any) -> str:
+    return "—" if v is None else f"{v:.1%}"
+
+
+def _ms(v: Any) -> str:
+    return "—" if v is None else f"{1000 * v:.1f}"
+
+
+def render_html(**ctx: Any) -> str:
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.ChainableUndefined)
+    env.globals.update(num=_num, pct=_pct, ms=_ms)
+    return env.from_string(TEMPLATE).render(**ctx)

@@ -1,0 +1,109 @@
+"""``cartspec serve`` wiring (against a fake upstream) and the typed service config."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from cartspec.agent.cli import default_spec
+from cartspec.agent.config import AgentConfig, RouterConfig
+from cartspec.model.convert import ModelNotFound
+from test_agent_app import FakeUpstream, _free_port
+
+
+def test_default_spec_uses_a_head_when_there_is_one(tmp_path):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    spec = default_spec("commerce", str(head), 3, enforce_eager=False)
+    assert spec.speculative.method == "eagle3" and spec.speculative.num_speculative_tokens == 3
+    assert "--enable-per-request-metrics" in spec.engine_args
+
+
+def test_default_spec_without_head_serves_plain(monkeypatch, tmp_path):
+    import cartspec.model.registry as registry
+
+    monkeypatch.setattr(registry, "HEADS_DIR", tmp_path / "no-heads")
+    assert default_spec("commerce", "auto", 3, False).speculative.method == "none"
+    assert default_spec("commerce", "none", 3, False).speculative.method == "none"
+    with pytest.raises(ModelNotFound):
+        default_spec("commerce", "domain", 3, False)  # asked for explicitly: an error, not a silent fallback
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".toml", ".json"])
+def test_config_round_trips(tmp_path, suffix):
+    cfg = AgentConfig(port=9000, api_key="k", router=RouterConfig(enabled=True, policy="load"))
+    path = tmp_path / f"agent{suffix}"
+    if suffix == ".toml":
+        path.write_text('port = 9000\napi_key = "k"\n[router]\nenabled = true\npolicy = "load"\n')
+    else:
+        cfg.save(path)
+    assert AgentConfig.load(path) == cfg
+
+
+def test_config_rejects_unknown_keys_and_bad_timeouts():
+    with pytest.raises(ValueError):
+        AgentConfig.model_validate({"prot": 8080})
+    with pytest.raises(ValueError):
+        AgentConfig(upstream_timeout_s=30, request_timeout_s=10)
+
+
+def test_serve_with_upstream_answers_and_stops_on_ctrl_c(tmp_path):
+    fake = FakeUpstream().start()
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cartspec.cli", "serve", "--upstream", fake.url,
+                             "--label", "ngram-g3", "--port", str(port), "--trace", str(tmp_path / "t.jsonl")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 30
+        while True:
+            try:
+                if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "slow"
+            time.sleep(0.2)
+        r = httpx.post(base + "/v1/search", json={"query": "red running shoes"})
+        assert r.status_code == 200 and r.headers["x-cartspec-deployment"] == "ngram-g3"
+        assert r.json()["keywords"] == "running shoes"
+        assert httpx.get(base + "/v1/info").json()["deployments"]["speculative"]["label"] == "ngram-g3"
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(15) == 0
+        assert (tmp_path / "t.jsonl").read_text().count("\n") == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        fake.stop()
+
+
+def test_keeper_restarts_a_deployment_that_died(tmp_path):
+    from cartspec.agent.cli import Keeper
+    from cartspec.serving.spec import DeploymentSpec
+    from test_serving_cleanup import STANDIN, StandIn
+
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    server = StandIn(str(script), "ok", DeploymentSpec(start_timeout_s=30), log_dir=tmp_path)
+    with server:
+        keeper = Keeper(server, every_s=0.2)
+        keeper.start()
+        try:
+            first = server.proc.pid
+            os.kill(first, signal.SIGKILL)
+            deadline = time.time() + 20
+            while keeper.restarts == 0:
+                assert time.time() < deadline, "not restarted"
+                time.sleep(0.1)
+            assert server.alive() and server.proc.pid != first
+            assert httpx.get(server.url + "/health").status_code == 200
+        finally:
+            keeper.stopping.set()
+            keeper.join(5)

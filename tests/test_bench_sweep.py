@@ -1,0 +1,214 @@
+"""The sweep: resume after a kill, failed deployments, dead servers, the summary a user reads.
+
+Deployments here are trivial paced servers standing in for vLLM (this is a unit
+test); the real-engine version is tests/test_bench_vllm.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cartspec.bench.results import DeploymentInfo, load_results, results_path
+from cartspec.bench.sweep import SweepPlan, parse_deployment, preset, run_sweep
+from cartspec.bench.trivial_server import FakeConfig, TrivialServer
+from cartspec.report.build import build_report
+
+
+class FakeDeployment:
+    def __init__(self, srv: TrivialServer, spec):
+        self.srv, self.spec, self.dead = srv, spec, False
+
+    @property
+    def url(self) -> str:
+        return self.srv.url
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    def kill(self) -> None:
+        self.dead = True
+        self.srv.stop()
+
+    def describe(self) -> DeploymentInfo:
+        sp = self.spec.speculative
+        return DeploymentInfo(label=self.spec.label, method=sp.method, gamma=sp.num_speculative_tokens,
+                              model="fake", url=self.url)
+
+    def died_reason(self) -> str:
+        return "fake server killed (simulated engine crash)"
+
+
+def fake_launcher(tmp_path: Path, paces: dict[str, FakeConfig], die_after_s: dict[str, float] | None = None,
+                  starts: list | None = None):
+    """Starts a paced server per deployment; resolves models and heads the way vLLM's launcher does."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir(exist_ok=True)
+    (model_dir / "config.json").write_text("{}")
+
+    @contextlib.contextmanager
+    def launch(spec, log_dir):
+        from cartspec.serving.server import VllmServer
+
+        VllmServer(spec, log_dir=log_dir, model_dir=model_dir).command()  # a missing head raises here
+        if starts is not None:
+            starts.append(spec.label)
+        with TrivialServer(paces.get(spec.label, FakeConfig())) as srv:
+            dep = FakeDeployment(srv, spec)
+            if die_after_s and spec.label in die_after_s:
+                threading.Timer(die_after_s[spec.label], dep.kill).start()
+            yield dep
+
+    return launch
+
+
+def plan(*deps: str, **kw) -> SweepPlan:
+    base = dict(deployments=[parse_deployment(d, "commerce") for d in deps], concurrencies=[1, 2],
+                temperatures=[0.0], n_requests=4, warmup=1, max_tokens=16)
+    return SweepPlan(**{**base, **kw})
+
+
+def test_presets_match_the_published_grid():
+    p = preset("paper")
+    assert [d.label for d in p.deployments] == ["baseline", "eagle3-domain-g3", "eagle3-domain-g5",
+                                                "eagle3-generic-g3"]
+    assert p.concurrencies == [1, 2, 4, 8, 16, 32] and p.temperatures == [0.0, 0.5]
+    assert len(p.all_points()) == 48
+    q = preset("quick")
+    assert q.deployments[0].label == "baseline" and "ngram-g3" in [d.label for d in q.deployments]
+    assert len({pt.key for pt in q.all_points()}) == len(q.all_points())
+
+
+def test_failed_deployment_and_dead_server_are_recorded_and_the_sweep_goes_on(tmp_path):
+    paces = {"baseline": FakeConfig(tokens=6, itl_s=0.005), "ngram-g3": FakeConfig(tokens=40, itl_s=0.05),
+             "ngram-g5": FakeConfig(tokens=6, itl_s=0.004)}
+    starts: list[str] = []
+    launcher = fake_launcher(tmp_path, paces, die_after_s={"ngram-g3": 0.4}, starts=starts)
+    p = plan("baseline", "ngram:3", f"eagle3:{tmp_path / 'no-such-head'}:3", "ngram:5")
+    results = run_sweep(p, tmp_path / "run", launcher=launcher)
+    by = {}
+    for r in results:
+        by.setdefault(r.config.deployment, []).append(r)
+    assert [r.status for r in by["baseline"]] == ["ok", "ok"]
+    assert [r.status for r in by["ngram-g5"]] == ["ok", "ok"]  # after the failures, the sweep went on
+    died = by["ngram-g3"]
+    assert [r.status for r in died] == ["failed", "failed"]
+    assert "simulated engine crash" in died[0].reason
+    assert starts.count("ngram-g3") == 2  # restarted once, then given up
+    head = [r for d, rs in by.items() if d.startswith("eagle3") for r in rs]
+    assert len(head) == 2 and all(r.status == "failed" for r in head)
+    assert "did not start" in head[0].reason and "no-such-head" in head[0].reason
+    # the report lists the failures with their reasons
+    rep = build_report(tmp_path / "run")
+    html = rep.html.read_text()
+    assert "no-such-head" in html and "simulated engine crash" in html
+    assert "eagle3" in rep.verdict and "Failed deployments" in rep.verdict
+    # a rerun retries only what failed
+    starts.clear()
+    run_sweep(p, tmp_path / "run", launcher=fake_launcher(tmp_path, paces, starts=starts))
+    assert "baseline" not in starts and "ngram-g5" not in starts and "ngram-g3" in starts
+
+
+def test_summary_json_has_one_row_per_point_with_the_study_fields(tmp_path):
+    paces = {"baseline": FakeConfig(tokens=10, itl_s=0.02), "ngram-g3": FakeConfig(tokens=10, itl_s=0.01)}
+    p = plan("baseline", "ngram:3", temperatures=[0.0, 0.5])
+    run_sweep(p, tmp_path, launcher=fake_launcher(tmp_path, paces))
+    rep = build_report(tmp_path)
+    summary = json.loads(rep.summary.read_text())
+    rows = summary["points"]
+    assert len(rows) == 8
+    need = {"method", "gamma", "concurrency", "temperature", "n_requests", "n_errors", "output_throughput",
+            "ttft_p50", "tpot_p50", "e2el_p50", "e2el_p99", "acceptance_rate", "tau", "speedup_vs_baseline"}
+    for row in rows:
+        assert need <= row.keys()
+        assert row["n_requests"] == 4 and row["n_errors"] == 0
+    base = [r for r in rows if r["method"] == "none"]
+    spec = [r for r in rows if r["method"] == "ngram"]
+    assert all(r["speedup_vs_baseline"] == pytest.approx(1.0) for r in base)
+    assert all(r["gamma"] == 3 for r in spec)
+    # half the time per token: about twice the throughput at the same point
+    assert all(1.4 < r["speedup_vs_baseline"] < 2.3 for r in spec), [r["speedup_vs_baseline"] for r in spec]
+    assert all(r["acceptance_rate"] == pytest.approx(1 / 3) and r["tau"] == pytest.approx(2.0) for r in spec)
+    assert summary["capacity"] and summary["verdict"] == rep.verdict and "ngram-g3" in rep.verdict
+    assert {c["deployment"] for c in summary["capacity"]} == {"baseline", "ngram-g3"}
+
+
+def test_results_round_trip_through_the_file(tmp_path):
+    run_sweep(plan("baseline", concurrencies=[2]), tmp_path,
+              launcher=fake_launcher(tmp_path, {"baseline": FakeConfig(tokens=5)}))
+    (res,) = load_results(tmp_path)
+    line = results_path(tmp_path).read_text().splitlines()[0]
+    assert json.loads(res.model_dump_json()) == json.loads(line)
+    assert res.machine.cores >= 1 and res.machine.versions and len(res.records) == 4
+    assert res.config.spec["model"] == "commerce" and res.deployment.method == "none"
+
+
+def _study(url: str, out: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "cartspec.cli", "study", "--server", url, "--out", str(out), "--concurrency", "1,2,3",
+         "--temperatures", "0,0.5", "--requests", "6", "--warmup", "0", "--deployments", "ngram:3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def test_a_sweep_killed_mid_point_resumes_without_losing_or_redoing_points(tmp_path):
+    out = tmp_path / "run"
+    with TrivialServer(FakeConfig(tokens=10, itl_s=0.03)) as srv:  # ~0.3 s per request
+        proc = _study(srv.url, out)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            lines = results_path(out).read_text().splitlines() if results_path(out).exists() else []
+            if len(lines) >= 2:
+                break
+            time.sleep(0.05)
+        sent_before = srv.counters.requests
+        while srv.counters.requests < sent_before + 2 and time.monotonic() < deadline:
+            time.sleep(0.02)  # the third point is now in flight
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        first = results_path(out).read_text().splitlines()
+        assert len(first) == 2, "killed mid-point: only finished points are on disk"
+        # a torn line, as if the kill had come during a write
+        with results_path(out).open("a") as fh:
+            fh.write(first[0][:80])
+        requests_at_kill = srv.counters.requests
+        proc = _study(srv.url, out)
+        output, _ = proc.communicate(timeout=180)
+        assert proc.returncode == 0, output
+        assert "2 of 6 points already measured" in output
+        resent = srv.counters.requests - requests_at_kill
+    results = load_results(out)
+    assert len(results) == 6 and all(r.status == "ok" for r in results)
+    assert resent == 4 * 6  # four points of six requests: none of the finished ones measured again
+    lines = [ln for ln in results_path(out).read_text().splitlines()]
+    kept = [json.loads(ln) for ln in lines if ln.startswith("{") and ln.endswith("}")]
+    assert lines[:2] == first  # finished points untouched
+    keys = [k["key"] for k in kept]
+    assert len(keys) == len(set(keys)) == 6
+    run = json.loads((out / "run.json").read_text())
+    assert len(run["invocations"]) == 2 and run["invocations"][-1]["points_skipped"] == 2
+    assert (out / "report.html").exists() and (out / "summary.json").exists()
+
+
+def test_open_loop_points_and_the_cli_against_an_endpoint(tmp_path):
+    from typer.testing import CliRunner
+
+    from cartspec.cli import app
+
+    with TrivialServer(FakeConfig(tokens=6, itl_s=0.005)) as srv:
+        res = CliRunner().invoke(app, ["study", "--server", srv.url, "--out", str(tmp_path), "--rates", "20,40",
+                                       "--requests", "10", "--deployments", "ngram:3"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((tmp_path / "summary.json").read_text())["points"]
+    assert [(r["mode"], r["rate"], r["deployment"]) for r in rows] == [("open", 20.0, "ngram-g3"),
+                                                                        ("open", 40.0, "ngram-g3")]
+    assert all(r["n_requests"] == 10 and r["n_errors"] == 0 for r in rows)
+    assert "report:" in res.output and "verdict" in res.output
