@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..config_files import FileModel
 
 from ..task.data import MAX_HISTORY_TURNS, MAX_QUERY_CHARS
 
@@ -41,7 +42,7 @@ class RouterConfig(BaseModel):
     ema_alpha: float = Field(0.1, gt=0, le=1, description="weight of each observed reply length")
 
 
-class AgentConfig(BaseModel):
+class AgentConfig(FileModel):
     """Everything the agent service needs besides its upstream deployments."""
 
     model_config = ConfigDict(extra="forbid")
@@ -75,32 +76,6 @@ class AgentConfig(BaseModel):
                 raise ValueError(f"max_tokens needs an entry for {task!r}")
         return self
 
-    @classmethod
-    def load(cls, path: str | Path) -> "AgentConfig":
-        path = Path(path)
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        elif path.suffix == ".toml":
-            import tomllib
-
-            data = tomllib.loads(text)
-        else:
-            data = json.loads(text)
-        return cls.model_validate(data)
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        data = self.model_dump(mode="json")
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            path.write_text(yaml.safe_dump(data, sort_keys=False))
-        else:
-            path.write_text(json.dumps(data, indent=2))
-        return path
 
     def public(self) -> dict:
         """The settings as /v1/info shows them: never the key."""

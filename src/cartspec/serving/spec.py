@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..config_files import FileModel
 
 Method = Literal["none", "eagle3", "ngram", "draft_model", "suffix"]
 
@@ -63,7 +64,7 @@ class Speculative(BaseModel):
         return cfg
 
 
-class DeploymentSpec(BaseModel):
+class DeploymentSpec(FileModel):
     """A vLLM deployment: target model, speculation, engine flags."""
 
     model_config = ConfigDict(extra="forbid")
@@ -84,29 +85,3 @@ class DeploymentSpec(BaseModel):
     def label(self) -> str:
         return self.speculative.label
 
-    @classmethod
-    def load(cls, path: str | Path) -> "DeploymentSpec":
-        path = Path(path)
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        elif path.suffix == ".toml":
-            import tomllib
-
-            data = tomllib.loads(text)
-        else:
-            data = json.loads(text)
-        return cls.model_validate(data)
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        data = self.model_dump(mode="json")
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            path.write_text(yaml.safe_dump(data, sort_keys=False))
-        else:
-            path.write_text(json.dumps(data, indent=2))
-        return path
