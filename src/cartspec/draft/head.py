@@ -166,7 +166,9 @@ class Eagle3Head(nn.Module):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
         if cfg.rope_scaling:
-            raise NotImplementedError(f"rope scaling {cfg.rope_scaling} is not supported by this head trainer")
+            # A target with scaled RoPE (e.g. Llama 3.1's) needs the same scaling in the head.
+            raise ValueError(f"target uses rope scaling {cfg.rope_scaling}, which the head trainer does not "
+                             "implement yet; use a target with plain RoPE")
         self.cfg = cfg
         n_aux = len(cfg.aux_layer_ids)
         self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
