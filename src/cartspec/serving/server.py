@@ -33,6 +33,7 @@ import httpx
 
 from .engine import engine_env, engine_versions
 from .spec import DeploymentSpec
+from .vllm_fixes import SITE_DIR
 
 # Strong references: a server whose object the caller dropped must still be
 # stopped at exit (a WeakSet would forget it and leave vLLM running).
@@ -163,6 +164,8 @@ class VllmServer:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
         env = {**os.environ, **engine_env(), **self.spec.env}
+        # Our fixes for the engine's own bugs load in every vLLM process (vllm_fixes.py).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
         self._log = self.log_path.open("w")
         self._log.write("$ " + " ".join(cmd) + "\n")
         self._log.flush()

