@@ -13,6 +13,10 @@ distribution used for verification is either flat (every draft rejected, the
 acceptance and replies that ran to the token limit (study ``paper`` preset,
 session 1). Greedy requests never reach this kernel, which is why T = 0 is fine.
 
+Upstream: vllm-project/vllm#55005 (top_k and top_p go through the same kernel),
+fix proposed in vllm-project/vllm#55006. Drop this module once the pinned vLLM has it
+(``test_vllm_fixes.py`` fails when the original kernel stops being broken).
+
 The fix swaps in an exact pure-torch ``expand`` that writes into the caller's
 tensor. It is applied by an import hook (``vllm_site/sitecustomize.py``), so it
 reaches the API server and the engine-core process, however they are started.

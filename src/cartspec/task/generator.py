@@ -42,50 +42,70 @@ class Pool:
 # product -> category; held-out products still name their kind plainly.
 PRODUCTS: dict[str, Pool] = {
     "shoes": Pool(("running shoes", "trail running shoes", "sneakers", "hiking boots", "sandals",
-                   "loafers", "ankle boots", "basketball shoes", "slippers", "high heels"),
+                   "loafers", "ankle boots", "basketball shoes", "slippers", "high heels", "clogs",
+                   "chelsea boots", "espadrilles", "snow boots", "cleats", "ballet flats"),
                   ("rain boots", "tennis shoes", "flip flops", "walking shoes")),
     "clothing": Pool(("t-shirt", "hoodie", "jeans", "rain jacket", "dress", "sweater", "leggings",
-                      "winter coat", "polo shirt", "shorts", "pajamas", "swimsuit"),
+                      "winter coat", "polo shirt", "shorts", "pajamas", "swimsuit", "blazer", "skirt",
+                      "flannel shirt", "joggers", "tank top", "parka", "overalls", "socks"),
                      ("cardigan", "puffer vest", "chinos", "denim jacket")),
     "electronics": Pool(("wireless headphones", "earbuds", "laptop", "smartwatch", "bluetooth speaker",
-                         "phone case", "gaming mouse", "monitor", "tablet", "usb-c charger"),
+                         "phone case", "gaming mouse", "monitor", "tablet", "usb-c charger", "soundbar",
+                         "hdmi cable", "fitness tracker", "portable ssd", "router"),
                         ("mechanical keyboard", "webcam", "power bank", "e-reader")),
     "home": Pool(("coffee maker", "desk lamp", "bed sheets", "throw pillow", "cookware set",
-                  "air fryer", "vacuum cleaner", "duvet cover"),
+                  "air fryer", "vacuum cleaner", "duvet cover", "kettle", "toaster", "rug", "curtains",
+                  "frying pan", "candle"),
                  ("blender", "bath towels", "table lamp", "dinnerware set")),
-    "beauty": Pool(("moisturizer", "lipstick", "shampoo", "perfume", "sunscreen", "mascara"),
+    "beauty": Pool(("moisturizer", "lipstick", "shampoo", "perfume", "sunscreen", "mascara", "body lotion",
+                    "eyeliner", "hair dryer", "face wash"),
                    ("face serum", "conditioner", "nail polish")),
     "sports": Pool(("yoga mat", "dumbbells", "tennis racket", "bike helmet", "water bottle",
-                    "soccer ball", "resistance bands"),
+                    "soccer ball", "resistance bands", "running belt",
+                    "foam roller", "ski goggles", "basketball"),
                    ("jump rope", "camping tent", "golf balls")),
-    "toys": Pool(("lego set", "board game", "jigsaw puzzle", "plush toy", "toy car", "action figure"),
+    "toys": Pool(("lego set", "board game", "jigsaw puzzle", "plush toy", "toy car", "action figure",
+                  "teddy bear", "train set", "rc car", "card game"),
                  ("doll house", "kite", "building blocks")),
-    "bags": Pool(("backpack", "tote bag", "duffel bag", "wallet", "suitcase"),
+    "bags": Pool(("backpack", "tote bag", "duffel bag", "wallet", "suitcase", "messenger bag",
+                  "handbag", "carry-on", "gym bag"),
                  ("crossbody bag", "laptop sleeve", "fanny pack")),
-    "jewelry": Pool(("necklace", "earrings", "bracelet", "ring", "watch"),
+    "jewelry": Pool(("necklace", "earrings", "bracelet", "ring", "watch", "brooch", "chain",
+                     "hoop earrings"),
                     ("anklet", "pendant", "cufflinks")),
-    "grocery": Pool(("coffee beans", "green tea", "protein powder", "olive oil", "dark chocolate"),
+    "grocery": Pool(("coffee beans", "green tea", "protein powder", "olive oil", "dark chocolate",
+                     "oat milk", "peanut butter", "espresso pods", "maple syrup"),
                     ("granola", "honey", "pasta sauce")),
 }
 
 BRANDS: dict[str, Pool] = {
     "shoes": Pool(("nike", "adidas", "new balance", "asics", "puma", "hoka", "brooks", "vans",
-                   "converse", "skechers", "reebok"), ("saucony", "merrell", "birkenstock", "on running")),
+                   "converse", "skechers", "reebok", "salomon", "timberland",
+                   "dr. martens", "crocs", "clarks", "mizuno"), ("saucony", "merrell", "birkenstock", "on running")),
     "clothing": Pool(("levi's", "uniqlo", "zara", "h&m", "patagonia", "the north face", "gap",
-                      "columbia", "ralph lauren"), ("carhartt", "arc'teryx", "lululemon", "everlane")),
+                      "columbia", "ralph lauren", "tommy hilfiger", "calvin klein",
+                      "mango", "champion", "wrangler"), ("carhartt", "arc'teryx", "lululemon", "everlane")),
     "electronics": Pool(("sony", "bose", "apple", "samsung", "logitech", "jbl", "dell", "lenovo",
-                         "anker"), ("sennheiser", "razer", "asus", "garmin")),
-    "home": Pool(("ikea", "keurig", "philips", "cuisinart", "dyson", "ninja"),
+                         "anker", "lg", "microsoft", "hp",
+                         "beats", "xiaomi", "canon"), ("sennheiser", "razer", "asus", "garmin")),
+    "home": Pool(("ikea", "keurig", "philips", "cuisinart", "dyson", "ninja", "kitchenaid", "smeg",
+                  "tefal", "bosch", "oxo"),
                  ("breville", "le creuset", "shark")),
-    "beauty": Pool(("loreal", "nivea", "maybelline", "cerave", "neutrogena"),
+    "beauty": Pool(("loreal", "nivea", "maybelline", "cerave", "neutrogena", "garnier", "revlon",
+                    "olay", "dior"),
                    ("the ordinary", "clinique", "dove")),
-    "sports": Pool(("wilson", "under armour", "decathlon", "yeti", "manduka"),
+    "sports": Pool(("wilson", "under armour", "decathlon", "yeti", "manduka", "babolat", "mikasa",
+                    "oakley", "gaiam"),
                    ("hydro flask", "spalding", "head")),
-    "toys": Pool(("lego", "hasbro", "mattel", "melissa & doug"), ("ravensburger", "fisher-price", "playmobil")),
-    "bags": Pool(("samsonite", "herschel", "fjallraven", "michael kors", "coach"),
+    "toys": Pool(("lego", "hasbro", "mattel", "melissa & doug", "hot wheels",
+                   "vtech", "crayola"), ("ravensburger", "fisher-price", "playmobil")),
+    "bags": Pool(("samsonite", "herschel", "fjallraven", "michael kors", "coach", "eastpak",
+                  "jansport", "longchamp"),
                  ("osprey", "tumi", "kipling")),
-    "jewelry": Pool(("pandora", "swarovski", "tiffany", "fossil"), ("casio", "seiko", "mejuri")),
-    "grocery": Pool(("lavazza", "twinings", "optimum nutrition", "lindt"),
+    "jewelry": Pool(("pandora", "swarovski", "tiffany", "fossil", "cartier",
+                     "citizen", "timex"), ("casio", "seiko", "mejuri")),
+    "grocery": Pool(("lavazza", "twinings", "optimum nutrition", "lindt", "nespresso",
+                     "starbucks", "myprotein"),
                     ("illy", "ghirardelli", "barilla")),
 }
 
@@ -95,17 +115,20 @@ BRAND_TYPOS = {"adidas": "addidas", "skechers": "sketchers", "new balance": "new
                "saucony": "sauconi", "sennheiser": "senheiser", "patagonia": "patagucci"}
 
 COLORS = Pool(("black", "white", "red", "blue", "green", "navy", "grey", "pink", "beige", "brown",
-               "yellow", "purple", "orange"), ("olive", "burgundy", "teal", "maroon", "cream", "silver"))
+               "yellow", "purple", "orange", "tan", "khaki", "charcoal", "ivory",
+               "lavender", "coral", "mint", "turquoise", "mustard"), ("olive", "burgundy", "teal", "maroon", "cream", "silver"))
 COLOR_ABBREV = {"black": "blk", "white": "wht", "grey": "gray", "navy": "nvy", "brown": "brn",
                 "green": "grn", "blue": "blu", "burgundy": "wine", "maroon": "mrn", "olive": "olv"}
 
 MATERIALS: dict[str, Pool] = {
-    "shoes": Pool(("leather", "suede", "canvas", "mesh"), ("cork", "merino")),
-    "clothing": Pool(("cotton", "wool", "polyester", "denim", "linen", "silk", "fleece"), ("cashmere", "merino")),
-    "home": Pool(("cotton", "linen", "stainless steel", "bamboo", "ceramic"), ("cast iron", "glass")),
-    "bags": Pool(("leather", "canvas", "nylon", "polyester"), ("vegan leather", "cork")),
+    "shoes": Pool(("leather", "suede", "canvas", "mesh", "knit", "rubber"), ("cork", "merino")),
+    "clothing": Pool(("cotton", "wool", "polyester", "denim", "linen", "silk", "fleece", "nylon",
+                          "corduroy", "bamboo"), ("cashmere", "merino")),
+    "home": Pool(("cotton", "linen", "stainless steel", "bamboo", "ceramic", "wood",
+                  "velvet", "wool"), ("cast iron", "glass")),
+    "bags": Pool(("leather", "canvas", "nylon", "polyester", "suede", "denim"), ("vegan leather", "cork")),
     "jewelry": Pool(("silver", "gold", "stainless steel", "rose gold"), ("titanium", "platinum")),
-    "sports": Pool(("rubber", "foam", "stainless steel"), ("cork", "aluminum")),
+    "sports": Pool(("rubber", "foam", "stainless steel", "carbon fiber", "nylon"), ("cork", "aluminum")),
 }
 COLORED = {"shoes", "clothing", "electronics", "home", "sports", "bags", "jewelry", "toys"}
 AUDIENCES_FOR = {
@@ -121,29 +144,30 @@ AUDIENCES_FOR = {
 
 AUDIENCE_FORMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # audience: (seen forms, held forms); "{}" marks where the product goes
-    "men": (("men's {}", "mens {}", "{} for men"), ("{} for him", "{} for my husband")),
-    "women": (("women's {}", "womens {}", "{} for women"), ("ladies {}", "{} for her")),
-    "kids": (("kids {}", "{} for kids"), ("children's {}",)),
-    "boys": (("boys {}", "{} for boys"), ("{} for my son",)),
-    "girls": (("girls {}", "{} for girls"), ("{} for my daughter",)),
-    "baby": (("baby {}", "{} for a baby"), ("infant {}", "{} for a toddler")),
-    "unisex": (("unisex {}",), ("gender-neutral {}",)),
+    "men": (("men's {}", "mens {}", "{} for men", "{} for guys", "male {}", "{} for a man"), ("{} for him", "{} for my husband")),
+    "women": (("women's {}", "womens {}", "{} for women", "female {}", "{} for my wife",
+                "{} for a woman"), ("ladies {}", "{} for her")),
+    "kids": (("kids {}", "{} for kids", "kid's {}", "{} for little ones", "youth {}"), ("children's {}",)),
+    "boys": (("boys {}", "{} for boys", "boy's {}", "{} for a boy"), ("{} for my son",)),
+    "girls": (("girls {}", "{} for girls", "girl's {}", "{} for a girl"), ("{} for my daughter",)),
+    "baby": (("baby {}", "{} for a baby", "{} for babies", "newborn {}"), ("infant {}", "{} for a toddler")),
+    "unisex": (("unisex {}", "{} for men and women", "{} for anyone"), ("gender-neutral {}",)),
 }
 
 SIZES = {
-    "shoes": Pool(("7", "8", "8.5", "9", "9.5", "10", "10.5", "11", "12", "40", "42", "44"),
+    "shoes": Pool(("7", "8", "8.5", "9", "9.5", "10", "10.5", "11", "12", "40", "42", "44", "7.5", "39", "43"),
                   ("6.5", "11.5", "13", "38", "45")),
-    "clothing": Pool(("xs", "s", "m", "l", "xl", "xxl", "32x30", "34x32"), ("3xl", "30x30", "36x34")),
+    "clothing": Pool(("xs", "s", "m", "l", "xl", "xxl", "32x30", "34x32", "2xl", "32x32", "30x32"), ("3xl", "30x30", "36x34")),
 }
 SIZE_WORDS = {"s": "small", "m": "medium", "l": "large", "xs": "extra small", "xl": "extra large"}
 
 CURRENCIES = {
     # code: (seen renderings, held renderings); {} is the amount
-    "USD": (("${}", "{} dollars", "{} usd", "{} bucks"), ("{}$", "US${}")),
-    "EUR": (("€{}", "{} euros", "{} eur"), ("{}€", "EUR {}")),
-    "GBP": (("£{}", "{} pounds", "{} gbp"), ("{} quid", "GBP {}")),
-    "CAD": (("C${}", "{} cad"), ("{} canadian dollars",)),
-    "JPY": (("¥{}", "{} yen"), ("{} jpy",)),
+    "USD": (("${}", "{} dollars", "{} usd", "{} bucks", "usd {}", "$ {}", "{} dollar"), ("{}$", "US${}")),
+    "EUR": (("€{}", "{} euros", "{} eur", "eur {}", "€ {}", "{} euro"), ("{}€", "EUR {}")),
+    "GBP": (("£{}", "{} pounds", "{} gbp", "gbp {}", "£ {}", "{} pound", "{} british pounds"), ("{} quid", "GBP {}")),
+    "CAD": (("C${}", "{} cad", "cad {}", "CA${}", "{} canadian"), ("{} canadian dollars",)),
+    "JPY": (("¥{}", "{} yen", "{}¥", "jpy {}", "{} japanese yen"), ("{} jpy",)),
 }
 CURRENCY_WEIGHTS = {"USD": 0.55, "EUR": 0.18, "GBP": 0.15, "CAD": 0.07, "JPY": 0.05}
 
@@ -153,73 +177,102 @@ def _fam(seen: tuple[str, ...], held: tuple[str, ...]) -> Pool:
 
 
 # Phrasing families per attribute: name -> template (seen/held split by name).
-PRICE_MAX = _fam(("under {p}", "below {p}", "less than {p}", "max {p}", "up to {p}"),
+PRICE_MAX = _fam(("under {p}", "below {p}", "less than {p}", "max {p}", "up to {p}", "at most {p}",
+                  "maximum {p}", "{p} max", "not over {p}", "no higher than {p}", "within {p}",
+                  "budget {p}", "{p} tops", "lower than {p}", "for less than {p}"),
                  ("no more than {p}", "{p} or less", "cheaper than {p}", "<{p}"))
-PRICE_MIN = _fam(("over {p}", "above {p}", "more than {p}", "at least {p}"),
+PRICE_MIN = _fam(("over {p}", "above {p}", "more than {p}", "at least {p}", "min {p}", "minimum {p}",
+                  "{p} and up", "{p}+", "upwards of {p}", "{p} minimum", "not under {p}",
+                  "higher than {p}", "from {p} up", "pricier than {p}"),
                  ("{p} or more", "starting at {p}", ">{p}"))
-PRICE_RANGE = _fam(("between {a} and {b}", "{a}-{b}", "from {a} to {b}"),
+PRICE_RANGE = _fam(("between {a} and {b}", "{a}-{b}", "from {a} to {b}", "{a} - {b}", "price {a}-{b}",
+                    "somewhere between {a} and {b}", "{a} up to {b}"),
                    ("{a} to {b}", "in the {a}-{b} range"))
-RATING = _fam(("{r}+ stars", "at least {r} stars", "rated {r} and up", "{r} stars or more"),
+RATING = _fam(("{r}+ stars", "at least {r} stars", "rated {r} and up", "{r} stars or more",
+               "{r} stars and up", "rating {r}+", "over {r} stars", "rated {r}+", "{r} star minimum",
+               "rating at least {r}"),
               ("minimum {r} stars", "{r}* and above", "no less than {r} stars"))
 SORTS = {
-    "price_asc": (("cheapest first", "sort by price low to high", "lowest price first"), ("budget first",)),
-    "price_desc": (("most expensive first", "sort by price high to low"), ("priciest first",)),
-    "rating": (("best rated first", "top rated", "sort by rating"), ("highest reviews first",)),
-    "newest": (("newest first", "latest arrivals", "sort by newest"), ("just released",)),
-    "popularity": (("most popular", "best sellers first"), ("trending first",)),
+    "price_asc": (("cheapest first", "sort by price low to high", "lowest price first", "price low to high",
+                   "cheapest on top", "order by price ascending"), ("budget first",)),
+    "price_desc": (("most expensive first", "sort by price high to low", "price high to low",
+                    "highest price first", "order by price descending"), ("priciest first",)),
+    "rating": (("best rated first", "top rated", "sort by rating", "highest rated first",
+                "best reviewed first", "sort by stars"), ("highest reviews first",)),
+    "newest": (("newest first", "latest arrivals", "sort by newest", "new arrivals first",
+                "most recent first", "latest first"), ("just released",)),
+    "popularity": (("most popular", "best sellers first", "sort by popularity", "bestsellers first",
+                    "most bought first"), ("trending first",)),
 }
 DELIVERY = {
-    "free_shipping": (("free shipping", "with free shipping", "ships free"), ("no shipping cost",)),
-    "same_day": (("same day delivery", "delivered today"), ("arrives today",)),
-    "next_day": (("next day delivery", "overnight shipping"), ("arrives tomorrow", "by tomorrow")),
-    "two_day": (("2-day shipping", "two day delivery"), ("within 2 days",)),
-    "pickup": (("in-store pickup", "pick up in store"), ("click and collect",)),
+    "free_shipping": (("free shipping", "with free shipping", "ships free", "free delivery",
+                       "shipping included", "free ship"), ("no shipping cost",)),
+    "same_day": (("same day delivery", "delivered today", "same-day shipping", "get it today"), ("arrives today",)),
+    "next_day": (("next day delivery", "overnight shipping", "next-day shipping", "delivered tomorrow",
+                  "1 day shipping"), ("arrives tomorrow", "by tomorrow")),
+    "two_day": (("2-day shipping", "two day delivery", "2 day delivery", "two-day shipping",
+                 "delivered in 2 days"), ("within 2 days",)),
+    "pickup": (("in-store pickup", "pick up in store", "store pickup", "collect in store"), ("click and collect",)),
 }
-IN_STOCK = _fam(("in stock", "in stock only", "available now"), ("ready to ship", "not sold out"))
-SIZE_FORMS = _fam(("size {s}", "sz {s}", "in size {s}"), ("in a {s}", "size:{s}", "{s} size"))
-MATERIAL_FORMS = _fam(("{m}", "made of {m}", "in {m}"), ("{m}-made", "crafted from {m}"))
-EXCLUDE_FORMS = _fam(("no {b}", "not {b}", "except {b}", "anything but {b}"),
+IN_STOCK = _fam(("in stock", "in stock only", "available now", "in-stock", "currently available",
+                 "only in-stock items", "only available items"), ("ready to ship", "not sold out"))
+SIZE_FORMS = _fam(("size {s}", "sz {s}", "in size {s}", "sz{s}", "fits size {s}", "my size is {s}"), ("in a {s}", "size:{s}", "{s} size"))
+MATERIAL_FORMS = _fam(("{m}", "made of {m}", "in {m}", "made from {m}", "{m} material",
+                       "out of {m}"), ("{m}-made", "crafted from {m}"))
+EXCLUDE_FORMS = _fam(("no {b}", "not {b}", "except {b}", "anything but {b}", "without {b}",
+                      "not from {b}", "exclude {b}", "nothing from {b}", "but not {b}", "no {b} please"),
                      ("avoid {b}", "skip {b}", "excluding {b}"))
-INCLUDE_FORMS = _fam(("{b} {x}", "{x} from {b}", "{x} by {b}"), ("{b}-brand {x}", "{x}, {b} only"))
-OPENERS = _fam(("", "", "", "looking for ", "i want ", "show me ", "find ", "need ", "searching for "),
+INCLUDE_FORMS = _fam(("{b} {x}", "{x} from {b}", "{x} by {b}", "{x} made by {b}", "only {b} {x}",
+                      "{x} ({b})", "{x} brand {b}"), ("{b}-brand {x}", "{x}, {b} only"))
+OPENERS = _fam(("", "", "", "", "looking for ", "i want ", "show me ", "find ", "need ", "searching for ",
+                "do you have ", "shopping for ", "help me find ", "i need ", "where can i get ", "want "),
                ("any ", "got any ", "hunting for ", "can you find me ", "i'd like "))
-COMPARE_FORMS = _fam(("compare {a} and {b} {x}", "{a} vs {b} {x}", "{x}: {a} or {b}?"),
+COMPARE_FORMS = _fam(("compare {a} and {b} {x}", "{a} vs {b} {x}", "{x}: {a} or {b}?", "{a} vs. {b} {x}",
+                      "{a} or {b} {x}?", "difference between {a} and {b} {x}", "{a} compared to {b} {x}"),
                      ("which is better, {a} or {b} {x}", "{a} versus {b} for {x}"))
 
 # Multi-turn refinements: (kind, seen phrasings, held phrasings)
 REFINE_FORMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "cheaper": (("cheaper", "something cheaper", "show cheaper ones"), ("too pricey, cheaper please",)),
-    "color_swap": (("{c} instead", "what about in {c}", "show me {c} ones"), ("got it in {c}?",)),
-    "color_add": (("also in {c}", "{c} too"), ("and {c} as well",)),
-    "drop_brand": (("drop the brand filter", "any brand is fine"), ("forget the brand",)),
-    "exclude": (("no {b} please", "not {b}"), ("take out {b}",)),
-    "price": (("make it under {p}", "under {p} instead"), ("keep it below {p}",)),
-    "size": (("size {s} instead", "in {s} please"), ("actually sz {s}",)),
-    "stock": (("only in stock", "just what's in stock"), ("only ones that ship now",)),
-    "sort": (("sort by rating", "best rated first"), ("order by reviews",)),
-    "delivery": (("with free shipping", "free shipping only"), ("no delivery fee",)),
+    "cheaper": (("cheaper", "something cheaper", "show cheaper ones", "cheaper options?",
+                 "anything less expensive?"), ("too pricey, cheaper please",)),
+    "color_swap": (("{c} instead", "what about in {c}", "show me {c} ones", "make it {c}",
+                    "only {c} please"), ("got it in {c}?",)),
+    "color_add": (("also in {c}", "{c} too", "add {c}", "{c} is fine too"), ("and {c} as well",)),
+    "drop_brand": (("drop the brand filter", "any brand is fine", "brand doesn't matter",
+                    "remove the brand"), ("forget the brand",)),
+    "exclude": (("no {b} please", "not {b}", "without {b}", "remove {b}"), ("take out {b}",)),
+    "price": (("make it under {p}", "under {p} instead", "max {p}", "budget is {p}"), ("keep it below {p}",)),
+    "size": (("size {s} instead", "in {s} please", "sz {s}", "need size {s}"), ("actually sz {s}",)),
+    "stock": (("only in stock", "just what's in stock", "in stock only please",
+               "only available ones"), ("only ones that ship now",)),
+    "sort": (("sort by rating", "best rated first", "top rated first", "highest rated please"), ("order by reviews",)),
+    "delivery": (("with free shipping", "free shipping only", "only free delivery",
+                  "must ship free"), ("no delivery fee",)),
 }
 
 SUPPORT_FORMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "refund_window": (("how long do i have to return something?", "what is your refund policy?",
-                       "can i get a refund after 2 weeks?", "return window?"),
+                       "can i get a refund after 2 weeks?", "return window?",
+                       "can i return this?", "what's the return policy?"),
                       ("is there a time limit for refunds?", "how many days to send stuff back?")),
     "return_shipping": (("do i have to pay for return shipping?", "how do i send an item back?",
-                         "is returning free?"), ("who pays postage on returns?", "return label?")),
+                         "is returning free?", "how do returns work?"), ("who pays postage on returns?", "return label?")),
     "order_status": (("where is my order {o}?", "status of order {o}", "has order {o} shipped yet?",
-                      "tracking for {o}"), ("any update on {o}?", "order {o} still not here")),
+                      "tracking for {o}",
+                      "where's {o}?", "track order {o}"), ("any update on {o}?", "order {o} still not here")),
     "order_status_noid": (("where is my order?", "has my package shipped?"), ("my stuff hasn't arrived",)),
     "payment_methods": (("what payment methods do you accept?", "can i pay with paypal?",
-                         "do you take amex?"), ("is apple pay ok?", "which cards work?")),
+                         "do you take amex?", "can i pay by card?"), ("is apple pay ok?", "which cards work?")),
     "shipping_times": (("how long does shipping take?", "when will my stuff arrive?",
-                        "how fast is delivery?"), ("standard shipping time?", "delivery estimate?")),
+                        "how fast is delivery?", "how many days for shipping?"), ("standard shipping time?", "delivery estimate?")),
     "international": (("do you ship to canada?", "do you ship internationally?",
-                       "can i order from germany?"), ("ship abroad?", "international delivery time?")),
-    "cancel_order": (("cancel order {o}", "how do i cancel order {o}?", "i want to cancel {o}"),
+                       "can i order from germany?", "do you deliver to the uk?"), ("ship abroad?", "international delivery time?")),
+    "cancel_order": (("cancel order {o}", "how do i cancel order {o}?", "i want to cancel {o}",
+                      "please cancel {o}"),
                      ("please stop order {o}", "can {o} still be cancelled?")),
     "cancel_order_noid": (("how do i cancel an order?", "can i cancel my order?"), ("undo my purchase",)),
     "warranty": (("is there a warranty on headphones?", "what warranty do electronics have?",
-                  "my laptop broke, is it covered?"), ("guarantee on gadgets?", "warranty claim?")),
+                  "my laptop broke, is it covered?", "how long is the warranty?"), ("guarantee on gadgets?", "warranty claim?")),
 }
 SUPPORT_PREFIX = _fam(("", "", "hi, ", "hello, ", "quick question: ", "hey "), ("good morning, ", "excuse me, "))
 SUPPORT_SUFFIX = _fam(("", "", " thanks", " thank you", " pls"), (" cheers", " asap"))
