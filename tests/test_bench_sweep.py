@@ -212,3 +212,21 @@ def test_open_loop_points_and_the_cli_against_an_endpoint(tmp_path):
                                                                         ("open", 40.0, "ngram-g3")]
     assert all(r["n_requests"] == 10 and r["n_errors"] == 0 for r in rows)
     assert "report:" in res.output and "verdict" in res.output
+
+
+def test_points_score_their_replies_and_a_deployment_that_answers_wrongly_raises_an_alarm(tmp_path):
+    """Fast but wrong must show: every point records JSON validity and, at T=0, agreement with the baseline."""
+    good = '{"intent": "search", "keywords": "x"}'
+    paces = {"baseline": FakeConfig(tokens=10, reply=good), "ngram-g3": FakeConfig(tokens=10, reply=good),
+             "ngram-g5": FakeConfig(tokens=10)}  # streams "tok tok ...": not JSON
+    p = plan("baseline", "ngram:3", "ngram:5", concurrencies=[2])
+    run_sweep(p, tmp_path, launcher=fake_launcher(tmp_path, paces))
+    (res,) = [r for r in load_results(tmp_path) if r.config.deployment == "baseline"]
+    assert all(rec.text == good for rec in res.records)  # the reply survives the results file
+    rep = build_report(tmp_path)
+    rows = {r["deployment"]: r for r in json.loads(rep.summary.read_text())["points"]}
+    assert rows["baseline"]["json_valid"] == 1.0 and rows["baseline"]["agreement_vs_baseline"] is None
+    assert rows["ngram-g3"]["json_valid"] == 1.0 and rows["ngram-g3"]["agreement_vs_baseline"] == 1.0
+    assert rows["ngram-g5"]["json_valid"] == 0.0 and rows["ngram-g5"]["agreement_vs_baseline"] == 0.0
+    assert rows["baseline"]["exact_match"] == 0.0  # the test split's gold is never this reply
+    assert "QUALITY ALARM" in rep.verdict and "ngram-g5" in rep.verdict and "ngram-g3 at" not in rep.verdict

@@ -111,5 +111,6 @@ def test_lora_training_resumes_where_it_stopped(tiny_llama_dir, tmp_path, monkey
     a = load_file(full / "adapter_model.safetensors")
     b = load_file(resumed / "adapter_model.safetensors")
     assert a.keys() == b.keys()
+    assert {v.dtype for v in a.values()} == {torch.bfloat16}  # shipped at half the bytes
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5), k

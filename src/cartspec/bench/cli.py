@@ -161,19 +161,21 @@ def print_table(rows: list[dict]) -> None:
 
     t = Table(title="points (speedup = output throughput / baseline's at the same load and T)", box=box.SIMPLE_HEAD)
     for col in ("deployment", "load", "T", "req", "err", "tok/s", "speedup", "TTFT p50", "TPOT p50 ms",
-                "E2EL p50", "E2EL p99", "accept", "τ"):
+                "E2EL p50", "E2EL p99", "accept", "τ", "JSON ok", "= base"):
         t.add_column(col, justify="left" if col == "deployment" else "right")
     f = lambda v, d=2: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
+    pct = lambda v: "—" if v is None else f"{v:.0%}"  # noqa: E731
     for r in rows:
         load = str(r["concurrency"]) if r["mode"] == "closed" else f"{r['rate']:g}/s"
         if r["status"] != "ok":
             t.add_row(r["deployment"], load, f"{r['temperature']:g}", "", "", "[red]failed[/]", "", "", "", "", "",
-                      "", "")
+                      "", "", "", "")
             continue
         t.add_row(r["deployment"], load, f"{r['temperature']:g}", str(r["n_requests"]), str(r["n_errors"]),
                   f(r["output_throughput"], 1), f(r["speedup_vs_baseline"]), f(r["ttft_p50"], 3),
                   f(r["tpot_p50"] and 1000 * r["tpot_p50"], 1), f(r["e2el_p50"]), f(r["e2el_p99"]),
-                  "—" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}", f(r["tau"]))
+                  "—" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}", f(r["tau"]),
+                  pct(r.get("json_valid")), pct(r.get("agreement_vs_baseline")))
     console.print(t)
 
 

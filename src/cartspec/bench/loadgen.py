@@ -40,6 +40,7 @@ class ChatRequest:
     id: str = ""
     max_tokens: int = 128
     extra: dict[str, Any] = field(default_factory=dict)
+    source: Any = None  # the task request it came from (with gold, when known): lets a point score its replies
 
 
 @dataclass
@@ -83,7 +84,8 @@ def _has_content(chunk: dict[str, Any]) -> bool:
 
 def record_from_events(req_id: str, t_start: float, content_times: Sequence[float],
                        usage: dict[str, Any] | None, t_end: float, error: str | None = None,
-                       status: int = 200, spec: dict[str, Any] | None = None) -> RequestRecord:
+                       status: int = 200, spec: dict[str, Any] | None = None,
+                       text: str | None = None) -> RequestRecord:
     """The request's metrics from the arrival times of its content chunks (a pure function)."""
     ttft = content_times[0] - t_start if content_times else None
     e2el = (content_times[-1] if content_times else t_end) - t_start
@@ -94,7 +96,7 @@ def record_from_events(req_id: str, t_start: float, content_times: Sequence[floa
     return RequestRecord(id=req_id, ttft=ttft, e2el=e2el if error is None else (t_end - t_start), itl=itl,
                          output_tokens=out_tokens, prompt_tokens=int(usage.get("prompt_tokens", 0)) if usage else 0,
                          chunks=len(content_times), usage_reported=usage is not None, error=error,
-                         status=status, spec=spec)
+                         status=status, spec=spec, text=text)
 
 
 async def stream_chat(http: httpx.AsyncClient, model: str, req: ChatRequest, temperature: float = 0.0,
@@ -102,6 +104,7 @@ async def stream_chat(http: httpx.AsyncClient, model: str, req: ChatRequest, tem
     """Send one streaming chat request and time its chunks."""
     body = body_for(model, req, temperature, seed)
     content_times: list[float] = []
+    pieces: list[str] = []
     usage: dict[str, Any] | None = None
     spec: dict[str, Any] | None = None
     status, error, done = 0, None, False
@@ -127,6 +130,8 @@ async def stream_chat(http: httpx.AsyncClient, model: str, req: ChatRequest, tem
                         break
                     if _has_content(chunk):
                         content_times.append(now)
+                        pieces.extend(c["delta"].get("content") or "" for c in chunk["choices"]
+                                      if isinstance(c.get("delta"), dict))
                     if chunk.get("usage"):
                         usage = chunk["usage"]
                     sd = (chunk.get("metrics") or {}).get("speculative_decoding")
@@ -140,7 +145,7 @@ async def stream_chat(http: httpx.AsyncClient, model: str, req: ChatRequest, tem
         error = f"{type(exc).__name__}: {exc}"[:300]
     except (json.JSONDecodeError, ValueError) as exc:
         error = f"bad stream payload: {exc}"[:300]
-    return record_from_events(req.id, t0, content_times, usage, clock(), error, status, spec)
+    return record_from_events(req.id, t0, content_times, usage, clock(), error, status, spec, "".join(pieces))
 
 
 OnDone = Callable[[RequestRecord], None]
@@ -254,7 +259,7 @@ def chat_requests(reqs: Iterable[Any], max_tokens: int, structured: bool = False
         if structured:
             extra["response_format"] = {"type": "json_schema",
                                         "json_schema": {"name": r.task, "schema": _schema(r.task)}}
-        out.append(ChatRequest(messages=messages(r), id=r.id or "", max_tokens=max_tokens, extra=extra))
+        out.append(ChatRequest(messages=messages(r), id=r.id or "", max_tokens=max_tokens, extra=extra, source=r))
     return out
 
 

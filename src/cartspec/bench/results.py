@@ -136,6 +136,7 @@ class RequestRecord(BaseModel):
     error: str | None = None
     status: int = 0
     spec: dict[str, Any] | None = Field(None, description="vLLM per-request speculative metrics (summary)")
+    text: str | None = Field(None, description="the reply as streamed")
 
     @property
     def ok(self) -> bool:
@@ -186,6 +187,8 @@ class PointResult(BaseModel):
     e2el_p90: float | None = None
     e2el_p99: float | None = None
     e2el_mean: float | None = None
+    json_valid: float | None = None  # share of answered requests whose reply parses as JSON
+    exact_match: float | None = None  # share of answered requests with gold whose reply equals it, all fields
     spec: SpecStats | None = None
     deployment: DeploymentInfo | None = None
     machine: Machine | None = None

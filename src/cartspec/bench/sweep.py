@@ -367,6 +367,21 @@ def _run_deployment(plan: SweepPlan, spec: DeploymentSpec, pending: list[PointCo
     return measured
 
 
+def reply_quality(records: list, requests: list[ChatRequest]) -> tuple[float | None, float | None]:
+    """(JSON-valid share, exact-match share) of a point's answered requests: the guard that catches
+    a deployment that is fast because it answers wrongly."""
+    from ..task.score import score_item
+
+    by_id = {r.id: r.source for r in requests if r.source is not None}
+    scored = [score_item(by_id[rec.id], rec.text) for rec in records
+              if rec.ok and rec.text is not None and rec.id in by_id]
+    if not scored:
+        return None, None
+    with_gold = [s.exact for s in scored if s.exact is not None]
+    return (sum(s.json_valid for s in scored) / len(scored),
+            sum(with_gold) / len(with_gold) if with_gold else None)
+
+
 def _measure(plan: SweepPlan, cfg: PointConfig, dep: Any, model_name: str, info: DeploymentInfo,
              machine: Machine, reporter: Reporter) -> PointResult:
     reporter.point_started(cfg)
@@ -386,8 +401,10 @@ def _measure(plan: SweepPlan, cfg: PointConfig, dep: Any, model_name: str, info:
         return PointResult.failed(cfg, dep.died_reason(), started_at=started, machine=machine, deployment=info,
                                   records=result.records, wall_s=result.wall_s, n_requests=len(result.records),
                                   n_errors=sum(1 for r in result.records if not r.ok))
+    json_valid, exact = reply_quality(result.records, requests)
     res = PointResult.measured(cfg, result.records, result.wall_s, result.spec, started_at=started,
-                               machine=machine, deployment=info, n_warmup=result.n_warmup)
+                               machine=machine, deployment=info, n_warmup=result.n_warmup,
+                               json_valid=json_valid, exact_match=exact)
     if res.n_errors == res.n_requests:
         first = next((r.error for r in result.records if r.error), "")
         return PointResult.failed(cfg, f"every request failed: {first}", started_at=started, machine=machine,

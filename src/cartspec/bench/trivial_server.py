@@ -35,6 +35,7 @@ class FakeConfig:
     tokens_per_chunk: int = 1
     gamma: int = 3
     accept_per_pos: tuple[float, ...] = (0.6, 0.3, 0.1)  # accepted / drafts at each position
+    reply: str | None = None  # streamed as the content (split over the tokens) instead of "tok tok ..."
 
 
 @dataclass
@@ -138,6 +139,13 @@ class TrivialServer:
                                                                                    "content": ""}}]}))
         await writer.drain()
         sent, n_chunks, abort_after = 0, 0, knobs.get("abort_after")
+        reply = knobs.get("reply", c.reply)
+
+        def piece(a: int, b: int) -> str:  # the content of tokens [a, b)
+            if reply is None:
+                return "tok " * (b - a)
+            return reply[len(reply) * a // tokens: len(reply) * b // tokens]
+
         while sent < tokens:
             target = t0 + ttft + itl * n_chunks
             delay = target - time.perf_counter()
@@ -147,7 +155,7 @@ class TrivialServer:
             sent += k
             n_chunks += 1
             fin = "length" if sent >= tokens else None
-            self._chunk(writer, json.dumps({**base, "choices": [{"index": 0, "delta": {"content": "tok " * k},
+            self._chunk(writer, json.dumps({**base, "choices": [{"index": 0, "delta": {"content": piece(sent - k, sent)},
                                                                  "finish_reason": fin}]}))
             await writer.drain()
             if abort_after is not None and n_chunks >= int(abort_after):

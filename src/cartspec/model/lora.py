@@ -180,6 +180,9 @@ def train_lora(base_dir: Path, train: list[Request], out_dir: Path, cfg: LoraCon
                 save(step + 1)
 
     model.save_pretrained(out_dir)  # adapter_config.json + adapter_model.safetensors
+    # Ship the adapter in bf16 (half the bytes; the merge happens in fp32 and the served model is bf16).
+    weights = out_dir / "adapter_model.safetensors"
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in load_file(weights).items()}, weights)
     (out_dir / "training_log.json").write_text(json.dumps(
         {"config": asdict(cfg), "n_examples": len(examples), "steps": n_steps,
          "seconds_this_run": round(time.time() - t0, 1), "log": log}, indent=1))

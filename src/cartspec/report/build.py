@@ -50,6 +50,16 @@ def _load(r: PointResult) -> float:
     return float(r.config.concurrency if r.config.mode == "closed" else r.config.rate)
 
 
+def baseline_agreement(r: PointResult, b: PointResult) -> float | None:
+    """At T = 0: the share of requests (by id, answered by both) whose reply is character-for-character
+    the baseline's. Speculative decoding must not change greedy output; batch-shape numerics may, rarely."""
+    if r.config.temperature != 0 or b.config.temperature != 0:
+        return None
+    theirs = {x.id: x.text for x in b.records if x.ok and x.text is not None}
+    pairs = [(x.text, theirs[x.id]) for x in r.records if x.ok and x.text is not None and x.id in theirs]
+    return sum(a == t for a, t in pairs) / len(pairs) if pairs else None
+
+
 def summary_rows(results: list[PointResult]) -> list[dict[str, Any]]:
     """One row per point, with the speedup over the baseline at the same load and temperature."""
     base = {_group_key(r): r for r in results if r.status == "ok" and r.config.method == "none"}
@@ -62,6 +72,7 @@ def summary_rows(results: list[PointResult]) -> list[dict[str, Any]]:
         speedup = (r.output_throughput / b.output_throughput
                    if ok and b and b.output_throughput and r.output_throughput is not None else None)
         lat = (r.e2el_p50 / b.e2el_p50 if ok and b and b.e2el_p50 and r.e2el_p50 is not None else None)
+        agree = baseline_agreement(r, b) if ok and b and c.method != "none" else None
         rows.append({
             "deployment": c.deployment, "method": c.method, "gamma": c.gamma, "head": c.head,
             "mode": c.mode, "concurrency": c.concurrency, "rate": c.rate, "temperature": c.temperature,
@@ -75,6 +86,7 @@ def summary_rows(results: list[PointResult]) -> list[dict[str, Any]]:
             "acceptance_rate": r.acceptance_rate, "tau": r.tau,
             "acceptance_per_position": r.spec.per_position if r.spec else None,
             "speedup_vs_baseline": speedup, "e2el_p50_ratio_vs_baseline": lat,
+            "json_valid": r.json_valid, "exact_match": r.exact_match, "agreement_vs_baseline": agree,
             "key": r.key,
         })
     return rows
@@ -154,9 +166,28 @@ def published_comparison(rows: list[dict[str, Any]], caps: list[dict[str, Any]])
         out.append({"finding": "one instance with speculation vs two without", "published": PUBLISHED["one_vs_two"],
                     "ours": "; ".join(parts) + " (2.00× would replace two instances with one)" if parts
                     else "not measured"})
-    out.append({"finding": "quality", "published": PUBLISHED["quality"],
-                "ours": "not part of the timing study: see the quality stage (structured accuracy, judge)"})
+    out.append({"finding": "quality", "published": PUBLISHED["quality"], "ours": quality_line(rows)})
     return out
+
+
+def quality_line(rows: list[dict[str, Any]]) -> str:
+    """What the study's own replies say about quality: same answers as the baseline (T=0), JSON validity
+    and exact match against the gold answers, speculative vs baseline."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    spec = [r for r in ok if r["method"] != "none"]
+    if not spec or all(r.get("json_valid") is None for r in ok):
+        return "not measured (replies were not recorded)"
+    parts = []
+    agree = [r["agreement_vs_baseline"] for r in spec if r.get("agreement_vs_baseline") is not None]
+    if agree:
+        parts.append(f"T=0: {min(agree):.0%}–{max(agree):.0%} of replies identical to the baseline's, per point")
+    for temp in sorted({r["temperature"] for r in ok}):
+        for what, key in (("JSON-valid", "json_valid"), ("exact match", "exact_match")):
+            b = [r[key] for r in ok if r["method"] == "none" and r["temperature"] == temp and r.get(key) is not None]
+            sp = [r[key] for r in spec if r["temperature"] == temp and r.get(key) is not None]
+            if b and sp:
+                parts.append(f"T={temp:g} {what}: speculative {_rng(sp, '{:.0%}')} vs baseline {_rng(b, '{:.0%}')}")
+    return "; ".join(parts) + " (offline: `cartspec eval-model`, and `quality/agreement.py` for statistics)"
 
 
 # --- verdict ----------------------------------------------------------------------
@@ -212,7 +243,21 @@ def verdict(rows: list[dict[str, Any]], caps: list[dict[str, Any]], slo: float) 
             s += (f". Under the {slo:g} s E2EL SLO one instance serves {base_cap:.2f} req/s without speculation "
                   f"and {best_cap:.2f} with {best} (×{best_cap / base_cap:.2f})")
         parts.append(s + ".")
-    return " ".join(parts) + tail
+    return " ".join(parts) + quality_alarm(ok) + tail
+
+
+def quality_alarm(ok: list[dict[str, Any]], margin: float = 0.05) -> str:
+    """A sentence when a speculative point answers worse than the baseline at the same load and T."""
+    base = {(r["concurrency"], r["rate"], r["temperature"], r["request_set"]): r for r in ok if r["method"] == "none"}
+    bad = []
+    for r in ok:
+        b = base.get((r["concurrency"], r["rate"], r["temperature"], r["request_set"]))
+        if r["method"] == "none" or not b or r.get("json_valid") is None or b.get("json_valid") is None:
+            continue
+        if r["json_valid"] < b["json_valid"] - margin:
+            bad.append(f"{r['deployment']} at T={r['temperature']:g} ({r['json_valid']:.0%} JSON-valid vs "
+                       f"{b['json_valid']:.0%})")
+    return (" QUALITY ALARM: replies got worse with speculation: " + "; ".join(bad) + ".") if bad else ""
 
 
 # --- plots ------------------------------------------------------------------------
@@ -429,7 +474,10 @@ def build_report(run_dir: str | Path, target_rps: float | None = None, slo: floa
             "output_throughput": "output tokens / wall time of the measured run (tokens/s)",
             "acceptance_rate": "accepted draft tokens / proposed draft tokens",
             "tau": "1 + accepted / drafts", "goodput": "requests/s with E2EL <= SLO",
-            "speedup_vs_baseline": "output_throughput / baseline's at the same load, temperature and request set"},
+            "speedup_vs_baseline": "output_throughput / baseline's at the same load, temperature and request set",
+            "json_valid": "share of answered requests whose reply parses as JSON",
+            "exact_match": "share of answered requests whose reply matches the gold answer in every field",
+            "agreement_vs_baseline": "T=0 only: share of requests whose reply is identical to the baseline's"},
     }
     summary_path = run_dir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2, default=str))

@@ -49,16 +49,19 @@ figcaption{color:#555;font-size:12.5px}.muted{color:#777;font-size:12px}
 
 <h2>All points</h2>
 <p class="muted">Throughput in output tokens/s; latencies in seconds (TPOT and ITL in ms). Speedup = output throughput
-/ baseline's at the same load, temperature and request set. ITL is per streamed chunk (several tokens may share one).</p>
+/ baseline's at the same load, temperature and request set. ITL is per streamed chunk (several tokens may share one).
+JSON ok, exact: the replies' JSON validity and exact match against the gold answers; = baseline: at T=0, the share
+of replies identical to the baseline's for the same request.</p>
 <table id="points"><tr><th class="l">deployment</th><th>load</th><th>T</th><th class="l">set</th><th>req</th><th>err</th>
 <th>tok/s</th><th>speedup</th><th>TTFT p50</th><th>TPOT p50</th><th>ITL p50</th><th>E2EL p50</th><th>E2EL p99</th>
-<th>goodput</th><th>accept</th><th>τ</th></tr>
+<th>goodput</th><th>accept</th><th>τ</th><th>JSON ok</th><th>exact</th><th>= baseline</th></tr>
 {% for r in rows %}{% if r.status == "ok" %}<tr><td class="l">{{ r.deployment }}</td>
 <td>{{ r.concurrency if r.mode == "closed" else r.rate ~ "/s" }}</td><td>{{ r.temperature }}</td><td class="l">{{ r.request_set }}</td>
 <td>{{ r.n_requests }}</td><td>{{ r.n_errors }}</td><td>{{ num(r.output_throughput, 1) }}</td>
 <td class="{{ '' if r.method == 'none' else 'good' if r.speedup_vs_baseline and r.speedup_vs_baseline > 1 else 'bad' if r.speedup_vs_baseline else '' }}">{{ num(r.speedup_vs_baseline, 2) }}</td>
 <td>{{ num(r.ttft_p50, 3) }}</td><td>{{ ms(r.tpot_p50) }}</td><td>{{ ms(r.itl_p50) }}</td><td>{{ num(r.e2el_p50, 2) }}</td>
-<td>{{ num(r.e2el_p99, 2) }}</td><td>{{ num(r.goodput, 3) }}</td><td>{{ pct(r.acceptance_rate) }}</td><td>{{ num(r.tau, 2) }}</td></tr>
+<td>{{ num(r.e2el_p99, 2) }}</td><td>{{ num(r.goodput, 3) }}</td><td>{{ pct(r.acceptance_rate) }}</td><td>{{ num(r.tau, 2) }}</td>
+<td>{{ pct(r.json_valid) }}</td><td>{{ pct(r.exact_match) }}</td><td>{{ pct(r.agreement_vs_baseline) }}</td></tr>
 {% endif %}{% endfor %}</table>
 
 {% set failed = rows|selectattr("status", "equalto", "failed")|list %}
