@@ -55,3 +55,13 @@ def test_servers_we_start_load_the_fix(tmp_path):
             "print(m._expand_kernel_impl is f.expand_kernel)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+
+
+def test_the_shim_still_runs_a_sitecustomize_it_shadows(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import builtins\nbuiltins.SHADOWED_RAN = True\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(vllm_fixes.SITE_DIR), str(other)])}
+    out = subprocess.run([sys.executable, "-c", "import builtins; print(getattr(builtins, 'SHADOWED_RAN', False))"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-2000:]
