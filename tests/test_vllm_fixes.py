@@ -25,36 +25,46 @@ def test_expand_kernel_skips_requests_without_drafts_and_keeps_int_dtype():
     assert out.tolist() == [9, 9, 4, 4]
 
 
-def test_vllm_temperatures_are_right_once_patched():
-    """What vLLM's rejection sampler computes per draft token, through the patched path."""
+def test_install_replaces_vllms_broken_cpu_override():
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
     if current_platform.device_type != "cpu":
         pytest.skip("the bug and the fix are in vLLM's CPU kernel overrides")
+    current_platform.import_kernels()  # the C++ op the original override calls
     from vllm.utils import cpu_triton_utils
 
     vllm_fixes.install()
-    assert getattr(cpu_triton_utils, "_cartspec_patched", False)
-    current_platform.register_triton_kernel_overrides()
-    from vllm.v1.sample import rejection_sampler as rs
-
-    temps = torch.tensor([0.5, rs.GREEDY_TEMPERATURE, 0.7], dtype=torch.float32)
-    got = rs.expand_batch_to_tokens(temps, torch.tensor([3, 6, 8], dtype=torch.int32), 8,
-                                    replace_from=rs.GREEDY_TEMPERATURE, replace_to=1)
-    assert got.tolist() == pytest.approx([0.5, 0.5, 0.5, 1, 1, 1, 0.7, 0.7])
+    assert cpu_triton_utils._expand_kernel_impl is vllm_fixes.expand_kernel
+    assert not vllm_fixes.expand_is_broken(cpu_triton_utils._expand_kernel_impl)
     # The override we replaced is the broken one (if vLLM fixes it, this reminds us to drop ours).
     assert vllm_fixes.expand_is_broken(cpu_triton_utils._original_expand_kernel_impl)
 
 
-def test_servers_we_start_load_the_fix(tmp_path):
-    """The sitecustomize on a server's PYTHONPATH patches vLLM at first import, in any process."""
+# In a fresh interpreter started the way VllmServer starts vLLM: the rejection sampler's own
+# per-token temperatures, through vLLM's kernel dispatcher.
+_SAMPLER_CHECK = """
+import torch
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+current_platform.register_triton_kernel_overrides()
+from vllm.v1.sample import rejection_sampler as rs
+temps = torch.tensor([0.5, rs.GREEDY_TEMPERATURE, 0.7], dtype=torch.float32)
+got = rs.expand_batch_to_tokens(temps, torch.tensor([3, 6, 8], dtype=torch.int32), 8,
+                                replace_from=rs.GREEDY_TEMPERATURE, replace_to=1)
+print("TEMPS", *[round(x, 4) for x in got.tolist()])
+"""
+
+
+def test_servers_we_start_sample_with_the_right_temperatures():
     pytest.importorskip("vllm")
     env = {**os.environ, "PYTHONPATH": str(vllm_fixes.SITE_DIR)}
-    code = ("import vllm.utils.cpu_triton_utils as m, cartspec.serving.vllm_fixes as f;"
-            "print(m._expand_kernel_impl is f.expand_kernel)")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert out.stdout.strip().splitlines()[-1] == "True", out.stderr[-2000:]
+    out = subprocess.run([sys.executable, "-c", _SAMPLER_CHECK], env=env, capture_output=True, text=True,
+                         timeout=300)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("TEMPS")), None)
+    assert line is not None, out.stderr[-3000:]
+    assert [float(x) for x in line.split()[1:]] == pytest.approx([0.5, 0.5, 0.5, 1, 1, 1, 0.7, 0.7])
+    assert "cartspec: replaced" in out.stderr
 
 
 def test_the_shim_still_runs_a_sitecustomize_it_shadows(tmp_path):
