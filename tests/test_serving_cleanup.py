@@ -142,8 +142,10 @@ def test_restart_keeps_the_port(standin, tmp_path):
 def _run_caller(tmp_path: Path, script: str, mode: str, after: str) -> tuple[subprocess.Popen, list[int]]:
     code = CALLER.format(tests=str(Path(__file__).parent), script=script, mode=mode, log_dir=str(tmp_path),
                          after=after)
+    # A terminal's Ctrl-C: SIGINT at its default (a test run may have inherited it ignored, e.g. after
+    # vLLM in-process, and a child started with SIGINT ignored never sees KeyboardInterrupt).
     caller = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+                              text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     pids: list[int] = []
     for line in caller.stdout:
         if line.startswith("PIDS"):
