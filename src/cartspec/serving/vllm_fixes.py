@@ -45,16 +45,10 @@ def expand_kernel(output, input_val, cu_num_tokens, replace_from, replace_to, MA
     output[:total].copy_(torch.repeat_interleave(vals, counts, output_size=total).to(output.dtype))
 
 
-def expand_is_broken(kernel=None) -> bool:
-    """Does ``kernel`` (default: vLLM's CPU override) fail to spread a float tensor?"""
+def expand_is_broken(kernel) -> bool:
+    """Does ``kernel`` (an ``expand`` override) fail to spread a float tensor in place?"""
     import torch
 
-    if kernel is None:
-        from vllm.platforms import current_platform  # loads vllm._C, whose op the override calls
-        from vllm.utils import cpu_triton_utils
-
-        del current_platform
-        kernel = getattr(cpu_triton_utils, "_original_expand_kernel_impl", cpu_triton_utils._expand_kernel_impl)
     out = torch.full((4,), -7.0)
     kernel(out, torch.tensor([0.5, -1.0]), torch.tensor([3, 4]), -1, 1)
     return out.tolist() != [0.5, 0.5, 0.5, 1.0]
