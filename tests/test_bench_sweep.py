@@ -230,3 +230,29 @@ def test_points_score_their_replies_and_a_deployment_that_answers_wrongly_raises
     assert rows["ngram-g5"]["json_valid"] == 0.0 and rows["ngram-g5"]["agreement_vs_baseline"] == 0.0
     assert rows["baseline"]["exact_match"] == 0.0  # the test split's gold is never this reply
     assert "QUALITY ALARM" in rep.verdict and "ngram-g5" in rep.verdict and "ngram-g3 at" not in rep.verdict
+
+
+def test_paired_quality_test_flags_a_deployment_whose_answers_are_worse(tmp_path):
+    """The report's statistics: same answers as the baseline -> preserved; wrong answers -> worse, and an alarm."""
+    from cartspec.task.data import Request, write_requests
+
+    good = '{"intent": "search", "keywords": "x"}'
+    reqs = [Request(id=f"q{i}", query=f"x number {i}", task="search", gold={"intent": "search", "keywords": "x"})
+            for i in range(40)]
+    data = write_requests(tmp_path / "reqs.jsonl", reqs)
+    paces = {"baseline": FakeConfig(tokens=10, reply=good), "ngram-g3": FakeConfig(tokens=10, reply=good),
+             "ngram-g5": FakeConfig(tokens=10, reply='{"intent": "search", "keywords": "y"}')}
+    p = plan("baseline", "ngram:3", "ngram:5", concurrencies=[2, 4], n_requests=16, request_sets=[str(data)])
+    run_sweep(p, tmp_path / "run", launcher=fake_launcher(tmp_path, paces))
+    rep = build_report(tmp_path / "run")
+    tests = {t["deployment"]: t for t in json.loads(rep.summary.read_text())["quality_tests"]}
+    assert set(tests) == {"ngram-g3", "ngram-g5"}
+    g3, g5 = tests["ngram-g3"], tests["ngram-g5"]
+    assert g3["verdict"] == "preserved" and g3["exact_text"] == 1.0 and g3["diff"] == 0.0
+    # 16 requests answered at two loads: 32 pairs, but 16 independent requests
+    assert g5["pairs"] == 32 and g5["requests"] == 16
+    assert g5["accuracy_baseline"] == 1.0 and g5["accuracy_candidate"] == 0.0 and g5["verdict"] == "worse"
+    assert g5["mcnemar_p"] == pytest.approx(2 / 2 ** 16)  # sign test over 16 requests, not 32 pairs
+    assert "QUALITY ALARM" in rep.verdict and "exact match -100.0%" in rep.verdict
+    html = rep.html.read_text()
+    assert 'id="quality"' in html and "worse" in html

@@ -56,29 +56,41 @@ def _parsed(task: str, text: str) -> str | None:
 
 
 def compare(requests: list[Request], baseline: list[str], candidate: list[str], margin: float = 0.02,
-            n_boot: int = 2000, seed: int = 0) -> Agreement:
+            n_boot: int = 2000, seed: int = 0, clusters: list[Any] | None = None) -> Agreement:
     """Quality of ``candidate`` replies against ``baseline`` replies to the same requests.
 
     Verdict "preserved" when the 95% bootstrap interval of the accuracy difference
     lies above ``-margin``; "worse" when it lies below; otherwise "inconclusive".
+
+    ``clusters`` (one key per pair) marks pairs that are not independent, e.g. the same request
+    answered at several loads of a sweep: the bootstrap then resamples whole clusters, and the
+    p-value is an exact sign test on the clusters' net differences (McNemar when every cluster
+    holds one pair).
     """
     if not (len(requests) == len(baseline) == len(candidate)) or not requests:
         raise ValueError("requests, baseline and candidate must be non-empty and of equal length")
+    if clusters is not None and len(clusters) != len(requests):
+        raise ValueError("clusters must give one key per request")
     n = len(requests)
     exact = sum(a == b for a, b in zip(baseline, candidate)) / n
     same = sum(_parsed(r.task, a) == _parsed(r.task, b) for r, a, b in zip(requests, baseline, candidate)) / n
     ok_a = [bool(score_item(r, t).exact) for r, t in zip(requests, baseline)]
     ok_b = [bool(score_item(r, t).exact) for r, t in zip(requests, candidate)]
     acc_a, acc_b = sum(ok_a) / n, sum(ok_b) / n
+    groups: dict[Any, list[int]] = {}
+    for i, key in enumerate(clusters if clusters is not None else range(n)):
+        groups.setdefault(key, []).append(i)
+    # per cluster: (pairs, net difference in exact matches)
+    units = [(len(ix), sum(ok_b[i] - ok_a[i] for i in ix)) for ix in groups.values()]
     rng = random.Random(seed)
     diffs = []
     for _ in range(n_boot):
-        idx = [rng.randrange(n) for _ in range(n)]
-        diffs.append(sum(ok_b[i] - ok_a[i] for i in idx) / n)
+        pick = [units[rng.randrange(len(units))] for _ in units]
+        diffs.append(sum(d for _, d in pick) / sum(m for m, _ in pick))
     diffs.sort()
     lo, hi = diffs[int(0.025 * n_boot)], diffs[int(0.975 * n_boot) - 1]
-    b = sum(x and not y for x, y in zip(ok_a, ok_b))
-    c = sum(y and not x for x, y in zip(ok_a, ok_b))
+    b = sum(d < 0 for _, d in units)
+    c = sum(d > 0 for _, d in units)
     verdict = "preserved" if lo > -margin else "worse" if hi < -margin else "inconclusive"
     return Agreement(n=n, exact_text=exact, same_parsed=same, accuracy_baseline=acc_a, accuracy_candidate=acc_b,
                      diff=acc_b - acc_a, diff_ci95=(lo, hi), mcnemar_p=_mcnemar_exact(b, c), margin=margin,

@@ -92,6 +92,50 @@ def summary_rows(results: list[PointResult]) -> list[dict[str, Any]]:
     return rows
 
 
+def quality_tests(results: list[PointResult]) -> list[dict[str, Any]]:
+    """Per speculative deployment, temperature and request set: its replies against the baseline's to the
+    same requests at the same loads (``quality/agreement.py``): identical text, equal parsed JSON, and the
+    paired difference in exact match against gold with a 95% bootstrap interval and an exact sign test.
+    A request answered at several loads is one cluster (resampled together), not several samples."""
+    from ..bench.sweep import load_request_set
+    from ..quality.agreement import compare
+
+    ok = [r for r in results if r.status == "ok"]
+    base = {_group_key(r): r for r in ok if r.config.method == "none"}
+    sources: dict[tuple, dict[str, Any]] = {}
+
+    def gold(c) -> dict[str, Any]:
+        key = (c.request_set, c.structured)
+        if key not in sources:
+            n = max(r.config.n_requests + r.config.warmup for r in ok if r.config.request_set == c.request_set)
+            try:
+                reqs = load_request_set(c.request_set, n, c.max_tokens, c.structured)
+            except (OSError, ValueError):  # a request file that is gone: nothing to score against
+                reqs = []
+            sources[key] = {q.id: q.source for q in reqs if q.source is not None}
+        return sources[key]
+
+    pairs: dict[tuple, list[tuple]] = {}
+    for r in ok:
+        b = base.get(_group_key(r))
+        if r.config.method == "none" or b is None:
+            continue
+        by_id = gold(r.config)
+        theirs = {x.id: x.text for x in b.records if x.ok and x.text is not None}
+        key = (r.config.deployment, r.config.temperature, r.config.request_set)
+        pairs.setdefault(key, []).extend(
+            (by_id[x.id], theirs[x.id], x.text, x.id) for x in r.records
+            if x.ok and x.text is not None and x.id in theirs and x.id in by_id)
+    out = []
+    for (dep, temp, rs), ps in sorted(pairs.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
+        if not ps:
+            continue
+        a = compare([p[0] for p in ps], [p[1] for p in ps], [p[2] for p in ps], clusters=[p[3] for p in ps])
+        out.append({"deployment": dep, "temperature": temp, "request_set": rs, "pairs": a.n,
+                    "requests": len({p[3] for p in ps}), **{k: v for k, v in a.to_dict().items() if k != "n"}})
+    return out
+
+
 # --- capacity -------------------------------------------------------------------
 
 
@@ -133,7 +177,8 @@ def _rng(values: Iterable[float | None], fmt: str) -> str:
     return fmt.format(lo) if abs(hi - lo) < 1e-9 else f"{fmt.format(lo)} to {fmt.format(hi)}"
 
 
-def published_comparison(rows: list[dict[str, Any]], caps: list[dict[str, Any]]) -> list[dict[str, str]]:
+def published_comparison(rows: list[dict[str, Any]], caps: list[dict[str, Any]],
+                         tests: list[dict[str, Any]] | None = None) -> list[dict[str, str]]:
     ok = [r for r in rows if r["status"] == "ok" and r["method"] != "none"]
     out = []
     # One row per temperature: pooling greedy and sampled points would hide what either does.
@@ -166,7 +211,8 @@ def published_comparison(rows: list[dict[str, Any]], caps: list[dict[str, Any]])
         out.append({"finding": "one instance with speculation vs two without", "published": PUBLISHED["one_vs_two"],
                     "ours": "; ".join(parts) + " (2.00× would replace two instances with one)" if parts
                     else "not measured"})
-    out.append({"finding": "quality", "published": PUBLISHED["quality"], "ours": quality_line(rows)})
+    out.append({"finding": "quality", "published": PUBLISHED["quality"],
+                "ours": quality_line(rows) + quality_test_line(tests or [])})
     return out
 
 
@@ -187,13 +233,27 @@ def quality_line(rows: list[dict[str, Any]]) -> str:
             sp = [r[key] for r in spec if r["temperature"] == temp and r.get(key) is not None]
             if b and sp:
                 parts.append(f"T={temp:g} {what}: speculative {_rng(sp, '{:.0%}')} vs baseline {_rng(b, '{:.0%}')}")
-    return "; ".join(parts) + " (offline: `cartspec eval-model`, and `quality/agreement.py` for statistics)"
+    return "; ".join(parts)
+
+
+def quality_test_line(tests: list[dict[str, Any]]) -> str:
+    """The paired tests in a sentence: how many comparisons held, and the widest interval."""
+    if not tests:
+        return ""
+    verdicts = [t["verdict"] for t in tests]
+    worst = min(tests, key=lambda t: t["diff_ci95"][0])
+    return (f"; paired test of exact match vs the baseline (margin {worst['margin']:.0%}): "
+            f"{verdicts.count('preserved')} of {len(tests)} deployment×T preserved, "
+            f"{verdicts.count('inconclusive')} inconclusive, {verdicts.count('worse')} worse; lowest interval "
+            f"{worst['deployment']} T={worst['temperature']:g} Δ {worst['diff']:+.1%} "
+            f"[{worst['diff_ci95'][0]:+.1%}, {worst['diff_ci95'][1]:+.1%}], p={worst['mcnemar_p']:.2g}")
 
 
 # --- verdict ----------------------------------------------------------------------
 
 
-def verdict(rows: list[dict[str, Any]], caps: list[dict[str, Any]], slo: float) -> str:
+def verdict(rows: list[dict[str, Any]], caps: list[dict[str, Any]], slo: float,
+            tests: list[dict[str, Any]] | None = None) -> str:
     """A few sentences, one per temperature: speculation can pay greedily and lose when sampling."""
     ok = [r for r in rows if r["status"] == "ok"]
     failed = sorted({r["deployment"] for r in rows if r["status"] == "failed"}
@@ -243,11 +303,12 @@ def verdict(rows: list[dict[str, Any]], caps: list[dict[str, Any]], slo: float) 
             s += (f". Under the {slo:g} s E2EL SLO one instance serves {base_cap:.2f} req/s without speculation "
                   f"and {best_cap:.2f} with {best} (×{best_cap / base_cap:.2f})")
         parts.append(s + ".")
-    return " ".join(parts) + quality_alarm(ok) + tail
+    return " ".join(parts) + quality_alarm(ok, tests=tests) + tail
 
 
-def quality_alarm(ok: list[dict[str, Any]], margin: float = 0.05) -> str:
-    """A sentence when a speculative point answers worse than the baseline at the same load and T."""
+def quality_alarm(ok: list[dict[str, Any]], margin: float = 0.05, tests: list[dict[str, Any]] | None = None) -> str:
+    """A sentence when a speculative point answers worse than the baseline at the same load and T, or a
+    deployment's paired test says its exact match is worse."""
     base = {(r["concurrency"], r["rate"], r["temperature"], r["request_set"]): r for r in ok if r["method"] == "none"}
     bad = []
     for r in ok:
@@ -257,6 +318,10 @@ def quality_alarm(ok: list[dict[str, Any]], margin: float = 0.05) -> str:
         if r["json_valid"] < b["json_valid"] - margin:
             bad.append(f"{r['deployment']} at T={r['temperature']:g} ({r['json_valid']:.0%} JSON-valid vs "
                        f"{b['json_valid']:.0%})")
+    for t in tests or []:
+        if t["verdict"] == "worse":
+            bad.append(f"{t['deployment']} at T={t['temperature']:g} (exact match {t['diff']:+.1%} vs the baseline, "
+                       f"95% CI [{t['diff_ci95'][0]:+.1%}, {t['diff_ci95'][1]:+.1%}])")
     return (" QUALITY ALARM: replies got worse with speculation: " + "; ".join(bad) + ".") if bad else ""
 
 
@@ -454,8 +519,9 @@ def build_report(run_dir: str | Path, target_rps: float | None = None, slo: floa
         slo = next((r.config.slo_e2el_s for r in results), 2.0)
     rows = summary_rows(results)
     caps, target = capacity_table(rows, target_rps)
-    comparison = published_comparison(rows, caps)
-    text = verdict(rows, caps, slo)
+    tests = quality_tests(results)
+    comparison = published_comparison(rows, caps, tests)
+    text = verdict(rows, caps, slo, tests)
     figs = plots(rows, slo)
     machine = run.get("machine") or next((r.machine.model_dump() for r in results if r.machine), {})
     versions = next((r.deployment.versions for r in results if r.deployment and r.deployment.versions), {})
@@ -466,7 +532,7 @@ def build_report(run_dir: str | Path, target_rps: float | None = None, slo: floa
                 "seconds": sum(i.get("seconds", 0) for i in invocations)},
         "slo_e2el_s": slo, "target_rps": target,
         "points": [{k: v for k, v in r.items()} for r in rows],
-        "capacity": caps, "published_comparison": comparison, "verdict": text,
+        "capacity": caps, "quality_tests": tests, "published_comparison": comparison, "verdict": text,
         "definitions": {
             "ttft": "request start -> first content chunk (s)", "e2el": "request start -> last content chunk (s)",
             "tpot": "(E2EL - TTFT) / (output tokens - 1), per request (s)",
@@ -483,5 +549,5 @@ def build_report(run_dir: str | Path, target_rps: float | None = None, slo: floa
     summary_path.write_text(json.dumps(summary, indent=2, default=str))
     html_path = run_dir / "report.html"
     html_path.write_text(render_html(summary=summary, figures=figs, rows=rows, caps=caps, comparison=comparison,
-                                     verdict=text, slo=slo, target=target))
+                                     verdict=text, slo=slo, target=target, tests=tests))
     return Report(html=html_path, summary=summary_path, verdict=text, rows=rows)

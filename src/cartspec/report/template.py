@@ -47,6 +47,22 @@ figcaption{color:#555;font-size:12.5px}.muted{color:#777;font-size:12px}
 <td>{{ num(c.e2el_p99, 2) }}</td><td>{{ c.instances_needed if c.instances_needed is not none else "—" }}</td></tr>{% endfor %}
 </table>
 
+{% if tests %}<h2>Quality: speculative replies against the baseline's</h2>
+<p class="muted">Each deployment's replies paired with the baseline's to the same requests at the same loads.
+Same text / same JSON: identical reply, or equal once parsed. Δ exact: the difference in exact match against the gold
+answers, with a 95% bootstrap interval over requests (a request answered at several loads counts once) and an exact
+sign-test p-value. Preserved: the interval lies above −{{ pct(tests[0].margin) }}.</p>
+<table id="quality"><tr><th class="l">deployment</th><th>T</th><th class="l">set</th><th>pairs</th><th>requests</th>
+<th>same text</th><th>same JSON</th><th>exact, baseline</th><th>exact, speculative</th><th>Δ exact</th><th>95% CI</th>
+<th>p</th><th class="l">verdict</th></tr>
+{% for t in tests %}<tr><td class="l">{{ t.deployment }}</td><td>{{ t.temperature }}</td><td class="l">{{ t.request_set }}</td>
+<td>{{ t.pairs }}</td><td>{{ t.requests }}</td><td>{{ pct(t.exact_text) }}</td><td>{{ pct(t.same_parsed) }}</td>
+<td>{{ pct(t.accuracy_baseline) }}</td><td>{{ pct(t.accuracy_candidate) }}</td><td>{{ "%+.1f%%"|format(100 * t.diff) }}</td>
+<td>[{{ "%+.1f"|format(100 * t.diff_ci95[0]) }}, {{ "%+.1f"|format(100 * t.diff_ci95[1]) }}]</td>
+<td>{{ "%.2g"|format(t.mcnemar_p) }}</td>
+<td class="l {{ 'good' if t.verdict == 'preserved' else 'bad' if t.verdict == 'worse' else '' }}">{{ t.verdict }}</td></tr>{% endfor %}
+</table>{% endif %}
+
 <h2>All points</h2>
 <p class="muted">Throughput in output tokens/s; latencies in seconds (TPOT and ITL in ms). Speedup = output throughput
 / baseline's at the same load, temperature and request set. ITL is per streamed chunk (several tokens may share one).
