@@ -120,3 +120,39 @@ def test_requests_roundtrip_jsonl(tmp_path):
     back = read_requests(path)
     assert [r.model_dump() for r in back] == [r.model_dump() for r in reqs]
     assert isinstance(back[0], Request)
+
+
+def _seen_held_pairs():
+    """Every (name, seen, held) split the generator draws from."""
+    for name, v in vars(g).items():
+        if isinstance(v, g.Pool):
+            yield name, v.seen, v.held
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if isinstance(x, g.Pool):
+                    yield f"{name}.{k}", x.seen, x.held
+                elif isinstance(x, tuple) and len(x) == 2 and all(isinstance(t, tuple) for t in x):
+                    yield f"{name}.{k}", x[0], x[1]
+
+
+def test_held_out_words_never_appear_in_any_seen_list():
+    pairs = list(_seen_held_pairs())
+    assert len(pairs) > 50  # products, brands, materials, sizes, currencies, every phrasing family
+    for name, seen, held in pairs:
+        assert not set(seen) & set(held), name
+    # nor under another category: a held product or brand is held everywhere
+    for table in (g.PRODUCTS, g.BRANDS, g.MATERIALS):
+        seen = {x for pool in table.values() for x in pool.seen}
+        held = {x for pool in table.values() for x in pool.held}
+        assert not seen & held
+
+
+def test_training_balances_price_direction_test_keeps_the_natural_mix(train, test_split):
+    def mix(reqs):
+        c = Counter(("min" if "price_min" in r.gold else "") + ("max" if "price_max" in r.gold else "")
+                    for r in reqs if r.meta["kind"] == "search" and "currency" in r.gold)
+        return c["min"] / sum(c.values()), c["max"] / sum(c.values())
+    train_min, train_max = mix(train)
+    assert 0.28 < train_min < 0.42 and 0.33 < train_max < 0.47  # 35% / 40%
+    test_min, test_max = mix(test_split)
+    assert test_min < 0.3 and test_max > 0.45  # 20% / 60%

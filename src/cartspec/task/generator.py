@@ -43,69 +43,69 @@ class Pool:
 PRODUCTS: dict[str, Pool] = {
     "shoes": Pool(("running shoes", "trail running shoes", "sneakers", "hiking boots", "sandals",
                    "loafers", "ankle boots", "basketball shoes", "slippers", "high heels", "clogs",
-                   "chelsea boots", "espadrilles", "snow boots", "cleats", "ballet flats"),
+                   "chelsea boots", "espadrilles", "snow boots", "cleats", "ballet flats", "work boots", "platform sneakers", "dress shoes", "slip-on shoes", "water shoes", "boat shoes", "wedge sandals", "golf shoes", "climbing shoes", "mary janes"),
                   ("rain boots", "tennis shoes", "flip flops", "walking shoes")),
     "clothing": Pool(("t-shirt", "hoodie", "jeans", "rain jacket", "dress", "sweater", "leggings",
                       "winter coat", "polo shirt", "shorts", "pajamas", "swimsuit", "blazer", "skirt",
-                      "flannel shirt", "joggers", "tank top", "parka", "overalls", "socks"),
+                      "flannel shirt", "joggers", "tank top", "parka", "overalls", "socks", "bomber jacket", "trench coat", "cargo pants", "sweatpants", "graphic tee", "button-down shirt", "maxi dress", "sports bra", "windbreaker", "turtleneck", "crop top", "tracksuit", "board shorts", "bucket hat", "beanie", "scarf", "baseball cap"),
                      ("cardigan", "puffer vest", "chinos", "denim jacket")),
     "electronics": Pool(("wireless headphones", "earbuds", "laptop", "smartwatch", "bluetooth speaker",
                          "phone case", "gaming mouse", "monitor", "tablet", "usb-c charger", "soundbar",
-                         "hdmi cable", "fitness tracker", "portable ssd", "router"),
+                         "hdmi cable", "fitness tracker", "portable ssd", "router", "noise cancelling headphones", "gaming headset", "wireless mouse", "external hard drive", "smart speaker", "action camera", "drawing tablet", "car charger", "wifi extender", "ring light", "usb hub", "smart plug", "dash cam"),
                         ("mechanical keyboard", "webcam", "power bank", "e-reader")),
     "home": Pool(("coffee maker", "desk lamp", "bed sheets", "throw pillow", "cookware set",
                   "air fryer", "vacuum cleaner", "duvet cover", "kettle", "toaster", "rug", "curtains",
-                  "frying pan", "candle"),
+                  "frying pan", "candle", "stand mixer", "rice cooker", "memory foam pillow", "shower curtain", "bath mat", "knife set", "cutting board", "floor lamp", "wall clock", "laundry basket", "weighted blanket", "space heater", "french press", "toaster oven", "picture frame"),
                  ("blender", "bath towels", "table lamp", "dinnerware set")),
     "beauty": Pool(("moisturizer", "lipstick", "shampoo", "perfume", "sunscreen", "mascara", "body lotion",
-                    "eyeliner", "hair dryer", "face wash"),
+                    "eyeliner", "hair dryer", "face wash", "lip balm", "night cream", "eye cream", "dry shampoo", "hair straightener", "curling iron", "makeup brushes", "setting spray", "foundation", "concealer", "body wash", "beard oil", "hand cream"),
                    ("face serum", "conditioner", "nail polish")),
     "sports": Pool(("yoga mat", "dumbbells", "tennis racket", "bike helmet", "water bottle",
                     "soccer ball", "resistance bands", "running belt",
-                    "foam roller", "ski goggles", "basketball"),
+                    "foam roller", "ski goggles", "basketball", "kettlebell", "pull-up bar", "exercise bike", "boxing gloves", "swim goggles", "hiking poles", "ab roller", "badminton set", "table tennis paddle", "sleeping bag", "knee sleeves"),
                    ("jump rope", "camping tent", "golf balls")),
     "toys": Pool(("lego set", "board game", "jigsaw puzzle", "plush toy", "toy car", "action figure",
-                  "teddy bear", "train set", "rc car", "card game"),
+                  "teddy bear", "train set", "rc car", "card game", "stuffed animal", "remote control helicopter", "play kitchen", "marble run", "science kit", "toy robot", "wooden puzzle", "water gun", "bath toys", "magnetic tiles", "coloring book", "yo-yo"),
                  ("doll house", "kite", "building blocks")),
     "bags": Pool(("backpack", "tote bag", "duffel bag", "wallet", "suitcase", "messenger bag",
-                  "handbag", "carry-on", "gym bag"),
+                  "handbag", "carry-on", "gym bag", "garment bag", "cosmetic bag", "travel backpack", "shoulder bag", "clutch", "briefcase", "diaper bag", "card holder", "weekender bag", "drawstring bag"),
                  ("crossbody bag", "laptop sleeve", "fanny pack")),
     "jewelry": Pool(("necklace", "earrings", "bracelet", "ring", "watch", "brooch", "chain",
-                     "hoop earrings"),
+                     "hoop earrings", "stud earrings", "charm bracelet", "engagement ring", "tennis bracelet", "signet ring", "choker", "nose ring", "bangle", "dangle earrings"),
                     ("anklet", "pendant", "cufflinks")),
     "grocery": Pool(("coffee beans", "green tea", "protein powder", "olive oil", "dark chocolate",
-                     "oat milk", "peanut butter", "espresso pods", "maple syrup"),
+                     "oat milk", "peanut butter", "espresso pods", "maple syrup", "instant noodles", "almond butter", "sparkling water", "trail mix", "hot sauce", "ground coffee", "herbal tea", "energy bars", "rice crackers", "coconut water", "matcha powder", "dried mango", "balsamic vinegar"),
                     ("granola", "honey", "pasta sauce")),
 }
 
 BRANDS: dict[str, Pool] = {
     "shoes": Pool(("nike", "adidas", "new balance", "asics", "puma", "hoka", "brooks", "vans",
                    "converse", "skechers", "reebok", "salomon", "timberland",
-                   "dr. martens", "crocs", "clarks", "mizuno"), ("saucony", "merrell", "birkenstock", "on running")),
+                   "dr. martens", "crocs", "clarks", "mizuno", "fila", "keen", "ugg", "allbirds", "teva", "altra", "veja", "ecco", "sperry", "steve madden"), ("saucony", "merrell", "birkenstock", "on running")),
     "clothing": Pool(("levi's", "uniqlo", "zara", "h&m", "patagonia", "the north face", "gap",
                       "columbia", "ralph lauren", "tommy hilfiger", "calvin klein",
-                      "mango", "champion", "wrangler"), ("carhartt", "arc'teryx", "lululemon", "everlane")),
+                      "mango", "champion", "wrangler", "old navy", "banana republic", "j.crew", "abercrombie", "hollister", "american eagle", "nautica", "guess", "superdry"), ("carhartt", "arc'teryx", "lululemon", "everlane")),
     "electronics": Pool(("sony", "bose", "apple", "samsung", "logitech", "jbl", "dell", "lenovo",
                          "anker", "lg", "microsoft", "hp",
-                         "beats", "xiaomi", "canon"), ("sennheiser", "razer", "asus", "garmin")),
+                         "beats", "xiaomi", "canon", "google", "nintendo", "sandisk", "tp-link", "panasonic", "acer", "fitbit", "jabra", "skullcandy", "msi"), ("sennheiser", "razer", "asus", "garmin")),
     "home": Pool(("ikea", "keurig", "philips", "cuisinart", "dyson", "ninja", "kitchenaid", "smeg",
-                  "tefal", "bosch", "oxo"),
+                  "tefal", "bosch", "oxo", "instant pot", "hamilton beach", "black+decker", "lodge", "zwilling", "pyrex", "corelle", "brabantia", "simplehuman", "west elm"),
                  ("breville", "le creuset", "shark")),
     "beauty": Pool(("loreal", "nivea", "maybelline", "cerave", "neutrogena", "garnier", "revlon",
-                    "olay", "dior"),
+                    "olay", "dior", "estee lauder", "mac", "fenty beauty", "la roche-posay", "aveeno", "eucerin", "bioderma", "nyx", "kiehl's", "pantene"),
                    ("the ordinary", "clinique", "dove")),
     "sports": Pool(("wilson", "under armour", "decathlon", "yeti", "manduka", "babolat", "mikasa",
-                    "oakley", "gaiam"),
+                    "oakley", "gaiam", "coleman", "everlast", "bowflex", "camelbak", "speedo", "callaway", "titleist", "yonex"),
                    ("hydro flask", "spalding", "head")),
     "toys": Pool(("lego", "hasbro", "mattel", "melissa & doug", "hot wheels",
-                   "vtech", "crayola"), ("ravensburger", "fisher-price", "playmobil")),
+                   "vtech", "crayola", "nerf", "barbie", "hape", "little tikes", "schleich", "funko", "jellycat", "bandai", "k'nex"), ("ravensburger", "fisher-price", "playmobil")),
     "bags": Pool(("samsonite", "herschel", "fjallraven", "michael kors", "coach", "eastpak",
-                  "jansport", "longchamp"),
+                  "jansport", "longchamp", "rimowa", "away", "kate spade", "vera bradley", "targus", "dakine", "eagle creek", "baggu", "deuter"),
                  ("osprey", "tumi", "kipling")),
     "jewelry": Pool(("pandora", "swarovski", "tiffany", "fossil", "cartier",
-                     "citizen", "timex"), ("casio", "seiko", "mejuri")),
+                     "citizen", "timex", "daniel wellington", "kendra scott", "alex and ani", "david yurman", "bulova", "tissot", "monica vinader", "thomas sabo"), ("casio", "seiko", "mejuri")),
     "grocery": Pool(("lavazza", "twinings", "optimum nutrition", "lindt", "nespresso",
-                     "starbucks", "myprotein"),
+                     "starbucks", "myprotein", "clif", "nature valley", "lipton", "bigelow", "nutella", "heinz", "kirkland", "folgers", "peet's", "tazo"),
                     ("illy", "ghirardelli", "barilla")),
 }
 
@@ -116,19 +116,21 @@ BRAND_TYPOS = {"adidas": "addidas", "skechers": "sketchers", "new balance": "new
 
 COLORS = Pool(("black", "white", "red", "blue", "green", "navy", "grey", "pink", "beige", "brown",
                "yellow", "purple", "orange", "tan", "khaki", "charcoal", "ivory",
-               "lavender", "coral", "mint", "turquoise", "mustard"), ("olive", "burgundy", "teal", "maroon", "cream", "silver"))
+               "lavender", "coral", "mint", "turquoise", "mustard", "magenta", "sky blue", "forest green", "rust", "peach", "lilac", "crimson", "indigo", "aqua", "fuchsia", "salmon", "taupe", "plum", "emerald", "sage", "cobalt", "mauve", "off-white", "light blue", "camel", "lime", "hot pink"), ("olive", "burgundy", "teal", "maroon", "cream", "silver"))
 COLOR_ABBREV = {"black": "blk", "white": "wht", "grey": "gray", "navy": "nvy", "brown": "brn",
-                "green": "grn", "blue": "blu", "burgundy": "wine", "maroon": "mrn", "olive": "olv"}
+                "green": "grn", "blue": "blu", "burgundy": "wine", "maroon": "mrn", "olive": "olv",
+                "pink": "pnk", "purple": "prpl", "yellow": "ylw", "orange": "orng",
+                "charcoal": "chrcl", "lavender": "lvndr", "beige": "bge", "red": "rd"}
 
 MATERIALS: dict[str, Pool] = {
-    "shoes": Pool(("leather", "suede", "canvas", "mesh", "knit", "rubber"), ("cork", "merino")),
+    "shoes": Pool(("leather", "suede", "canvas", "mesh", "knit", "rubber", "patent leather", "nubuck", "synthetic", "gore-tex", "felt"), ("cork", "merino")),
     "clothing": Pool(("cotton", "wool", "polyester", "denim", "linen", "silk", "fleece", "nylon",
-                          "corduroy", "bamboo"), ("cashmere", "merino")),
+                          "corduroy", "bamboo", "rayon", "spandex", "satin", "chiffon", "velvet", "jersey", "modal"), ("cashmere", "merino")),
     "home": Pool(("cotton", "linen", "stainless steel", "bamboo", "ceramic", "wood",
-                  "velvet", "wool"), ("cast iron", "glass")),
-    "bags": Pool(("leather", "canvas", "nylon", "polyester", "suede", "denim"), ("vegan leather", "cork")),
-    "jewelry": Pool(("silver", "gold", "stainless steel", "rose gold"), ("titanium", "platinum")),
-    "sports": Pool(("rubber", "foam", "stainless steel", "carbon fiber", "nylon"), ("cork", "aluminum")),
+                  "velvet", "wool", "marble", "porcelain", "copper", "microfiber", "jute", "teak"), ("cast iron", "glass")),
+    "bags": Pool(("leather", "canvas", "nylon", "polyester", "suede", "denim", "straw", "mesh", "tweed", "recycled polyester"), ("vegan leather", "cork")),
+    "jewelry": Pool(("silver", "gold", "stainless steel", "rose gold", "sterling silver", "pearl", "brass", "white gold"), ("titanium", "platinum")),
+    "sports": Pool(("rubber", "foam", "stainless steel", "carbon fiber", "nylon", "neoprene", "silicone", "steel", "leather"), ("cork", "aluminum")),
 }
 COLORED = {"shoes", "clothing", "electronics", "home", "sports", "bags", "jewelry", "toys"}
 AUDIENCES_FOR = {
@@ -144,30 +146,30 @@ AUDIENCES_FOR = {
 
 AUDIENCE_FORMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # audience: (seen forms, held forms); "{}" marks where the product goes
-    "men": (("men's {}", "mens {}", "{} for men", "{} for guys", "male {}", "{} for a man"), ("{} for him", "{} for my husband")),
+    "men": (("men's {}", "mens {}", "{} for men", "{} for guys", "male {}", "{} for a man", "{} for my dad", "{} (men)", "man's {}", "{} mens"), ("{} for him", "{} for my husband")),
     "women": (("women's {}", "womens {}", "{} for women", "female {}", "{} for my wife",
-                "{} for a woman"), ("ladies {}", "{} for her")),
-    "kids": (("kids {}", "{} for kids", "kid's {}", "{} for little ones", "youth {}"), ("children's {}",)),
-    "boys": (("boys {}", "{} for boys", "boy's {}", "{} for a boy"), ("{} for my son",)),
-    "girls": (("girls {}", "{} for girls", "girl's {}", "{} for a girl"), ("{} for my daughter",)),
-    "baby": (("baby {}", "{} for a baby", "{} for babies", "newborn {}"), ("infant {}", "{} for a toddler")),
-    "unisex": (("unisex {}", "{} for men and women", "{} for anyone"), ("gender-neutral {}",)),
+                "{} for a woman", "{} for my mom", "woman's {}", "{} (women)", "{} for my girlfriend", "{} womens"), ("ladies {}", "{} for her")),
+    "kids": (("kids {}", "{} for kids", "kid's {}", "{} for little ones", "youth {}", "{} for a kid", "{} for my kids", "junior {}", "kids' {}"), ("children's {}",)),
+    "boys": (("boys {}", "{} for boys", "boy's {}", "{} for a boy", "{} for my boy", "boys' {}", "{} for a young boy"), ("{} for my son",)),
+    "girls": (("girls {}", "{} for girls", "girl's {}", "{} for a girl", "{} for my girl", "girls' {}", "{} for a young girl"), ("{} for my daughter",)),
+    "baby": (("baby {}", "{} for a baby", "{} for babies", "newborn {}", "{} for my baby", "{} for a newborn", "babies {}"), ("infant {}", "{} for a toddler")),
+    "unisex": (("unisex {}", "{} for men and women", "{} for anyone", "{} for both genders", "{} for everyone", "{} men or women"), ("gender-neutral {}",)),
 }
 
 SIZES = {
-    "shoes": Pool(("7", "8", "8.5", "9", "9.5", "10", "10.5", "11", "12", "40", "42", "44", "7.5", "39", "43"),
+    "shoes": Pool(("7", "8", "8.5", "9", "9.5", "10", "10.5", "11", "12", "40", "42", "44", "7.5", "39", "43", "5", "5.5", "6", "12.5", "14", "36", "37", "41", "46"),
                   ("6.5", "11.5", "13", "38", "45")),
-    "clothing": Pool(("xs", "s", "m", "l", "xl", "xxl", "32x30", "34x32", "2xl", "32x32", "30x32"), ("3xl", "30x30", "36x34")),
+    "clothing": Pool(("xs", "s", "m", "l", "xl", "xxl", "32x30", "34x32", "2xl", "32x32", "30x32", "xxs", "4xl", "28x30", "34x30", "36x32", "38x32"), ("3xl", "30x30", "36x34")),
 }
 SIZE_WORDS = {"s": "small", "m": "medium", "l": "large", "xs": "extra small", "xl": "extra large"}
 
 CURRENCIES = {
     # code: (seen renderings, held renderings); {} is the amount
-    "USD": (("${}", "{} dollars", "{} usd", "{} bucks", "usd {}", "$ {}", "{} dollar"), ("{}$", "US${}")),
-    "EUR": (("€{}", "{} euros", "{} eur", "eur {}", "€ {}", "{} euro"), ("{}€", "EUR {}")),
-    "GBP": (("£{}", "{} pounds", "{} gbp", "gbp {}", "£ {}", "{} pound", "{} british pounds"), ("{} quid", "GBP {}")),
-    "CAD": (("C${}", "{} cad", "cad {}", "CA${}", "{} canadian"), ("{} canadian dollars",)),
-    "JPY": (("¥{}", "{} yen", "{}¥", "jpy {}", "{} japanese yen"), ("{} jpy",)),
+    "USD": (("${}", "{} dollars", "{} usd", "{} bucks", "usd {}", "$ {}", "{} dollar", "{}USD", "USD{}", "{} US dollars", "{}usd"), ("{}$", "US${}")),
+    "EUR": (("€{}", "{} euros", "{} eur", "eur {}", "€ {}", "{} euro", "{}eur", "{} Euros", "€{} eur"), ("{}€", "EUR {}")),
+    "GBP": (("£{}", "{} pounds", "{} gbp", "gbp {}", "£ {}", "{} pound", "{} british pounds", "{}gbp", "{} sterling", "£{} gbp"), ("{} quid", "GBP {}")),
+    "CAD": (("C${}", "{} cad", "cad {}", "CA${}", "{} canadian", "CAD {}", "{} CAD", "cdn ${}", "{} cdn"), ("{} canadian dollars",)),
+    "JPY": (("¥{}", "{} yen", "{}¥", "jpy {}", "{} japanese yen", "JPY{}", "{}yen", "¥ {}"), ("{} jpy",)),
 }
 CURRENCY_WEIGHTS = {"USD": 0.55, "EUR": 0.18, "GBP": 0.15, "CAD": 0.07, "JPY": 0.05}
 
@@ -179,103 +181,103 @@ def _fam(seen: tuple[str, ...], held: tuple[str, ...]) -> Pool:
 # Phrasing families per attribute: name -> template (seen/held split by name).
 PRICE_MAX = _fam(("under {p}", "below {p}", "less than {p}", "max {p}", "up to {p}", "at most {p}",
                   "maximum {p}", "{p} max", "not over {p}", "no higher than {p}", "within {p}",
-                  "budget {p}", "{p} tops", "lower than {p}", "for less than {p}"),
+                  "budget {p}", "{p} tops", "lower than {p}", "for less than {p}", "cap {p}", "price under {p}", "spend up to {p}", "{p} max budget", "under about {p}", "keep it under {p}", "max budget {p}", "at or below {p}", "shouldn't cost more than {p}", "i can spend {p}", "{p} limit"),
                  ("no more than {p}", "{p} or less", "cheaper than {p}", "<{p}"))
 PRICE_MIN = _fam(("over {p}", "above {p}", "more than {p}", "at least {p}", "min {p}", "minimum {p}",
                   "{p} and up", "{p}+", "upwards of {p}", "{p} minimum", "not under {p}",
-                  "higher than {p}", "from {p} up", "pricier than {p}"),
+                  "higher than {p}", "from {p} up", "pricier than {p}", "{p} plus", "price over {p}", "beyond {p}", "exceeding {p}", "spend at least {p}", "nothing under {p}", "{p} at least", "north of {p}", "more expensive than {p}", "costing more than {p}", "a minimum of {p}"),
                  ("{p} or more", "starting at {p}", ">{p}"))
 PRICE_RANGE = _fam(("between {a} and {b}", "{a}-{b}", "from {a} to {b}", "{a} - {b}", "price {a}-{b}",
-                    "somewhere between {a} and {b}", "{a} up to {b}"),
+                    "somewhere between {a} and {b}", "{a} up to {b}", "{a}–{b}", "{a} through {b}", "between {a} & {b}", "min {a} max {b}", "{a} min, {b} max", "at least {a} but under {b}"),
                    ("{a} to {b}", "in the {a}-{b} range"))
 RATING = _fam(("{r}+ stars", "at least {r} stars", "rated {r} and up", "{r} stars or more",
                "{r} stars and up", "rating {r}+", "over {r} stars", "rated {r}+", "{r} star minimum",
-               "rating at least {r}"),
+               "rating at least {r}", "rated at least {r}", "{r}+ rating", "with {r}+ stars", "rated over {r}", "reviews {r}+", "{r} stars plus", "min rating {r}"),
               ("minimum {r} stars", "{r}* and above", "no less than {r} stars"))
 SORTS = {
     "price_asc": (("cheapest first", "sort by price low to high", "lowest price first", "price low to high",
-                   "cheapest on top", "order by price ascending"), ("budget first",)),
+                   "cheapest on top", "order by price ascending", "low to high", "cheap first", "sort cheapest", "lowest first", "least expensive first"), ("budget first",)),
     "price_desc": (("most expensive first", "sort by price high to low", "price high to low",
-                    "highest price first", "order by price descending"), ("priciest first",)),
+                    "highest price first", "order by price descending", "expensive first", "high to low", "premium first", "most costly first"), ("priciest first",)),
     "rating": (("best rated first", "top rated", "sort by rating", "highest rated first",
-                "best reviewed first", "sort by stars"), ("highest reviews first",)),
+                "best reviewed first", "sort by stars", "highest rated", "by rating", "top reviewed first", "best ratings first"), ("highest reviews first",)),
     "newest": (("newest first", "latest arrivals", "sort by newest", "new arrivals first",
-                "most recent first", "latest first"), ("just released",)),
+                "most recent first", "latest first", "new first", "recently added", "fresh arrivals", "sort by date", "newest arrivals"), ("just released",)),
     "popularity": (("most popular", "best sellers first", "sort by popularity", "bestsellers first",
-                    "most bought first"), ("trending first",)),
+                    "most bought first", "popular first", "hot items first", "what's popular", "most viewed first", "top sellers"), ("trending first",)),
 }
 DELIVERY = {
     "free_shipping": (("free shipping", "with free shipping", "ships free", "free delivery",
-                       "shipping included", "free ship"), ("no shipping cost",)),
-    "same_day": (("same day delivery", "delivered today", "same-day shipping", "get it today"), ("arrives today",)),
+                       "shipping included", "free ship", "free postage", "zero shipping fee", "shipping free", "free s&h"), ("no shipping cost",)),
+    "same_day": (("same day delivery", "delivered today", "same-day shipping", "get it today", "same day shipping", "need it today", "same-day delivery"), ("arrives today",)),
     "next_day": (("next day delivery", "overnight shipping", "next-day shipping", "delivered tomorrow",
-                  "1 day shipping"), ("arrives tomorrow", "by tomorrow")),
+                  "1 day shipping", "next-day delivery", "overnight delivery", "one-day shipping"), ("arrives tomorrow", "by tomorrow")),
     "two_day": (("2-day shipping", "two day delivery", "2 day delivery", "two-day shipping",
-                 "delivered in 2 days"), ("within 2 days",)),
-    "pickup": (("in-store pickup", "pick up in store", "store pickup", "collect in store"), ("click and collect",)),
+                 "delivered in 2 days", "2day shipping", "2-day delivery", "ships in 2 days"), ("within 2 days",)),
+    "pickup": (("in-store pickup", "pick up in store", "store pickup", "collect in store", "pickup in store", "in store pick up", "curbside pickup", "bopis"), ("click and collect",)),
 }
 IN_STOCK = _fam(("in stock", "in stock only", "available now", "in-stock", "currently available",
-                 "only in-stock items", "only available items"), ("ready to ship", "not sold out"))
-SIZE_FORMS = _fam(("size {s}", "sz {s}", "in size {s}", "sz{s}", "fits size {s}", "my size is {s}"), ("in a {s}", "size:{s}", "{s} size"))
+                 "only in-stock items", "only available items", "in stock now", "available today", "stocked only", "has stock", "instock", "only what's available", "items available now", "no backorders"), ("ready to ship", "not sold out"))
+SIZE_FORMS = _fam(("size {s}", "sz {s}", "in size {s}", "sz{s}", "fits size {s}", "my size is {s}", "sized {s}", "size {s} please", "for size {s}", "(size {s})", "wearing size {s}"), ("in a {s}", "size:{s}", "{s} size"))
 MATERIAL_FORMS = _fam(("{m}", "made of {m}", "in {m}", "made from {m}", "{m} material",
-                       "out of {m}"), ("{m}-made", "crafted from {m}"))
+                       "out of {m}", "of {m}", "with {m} material", "{m} construction", "in a {m} finish", "material: {m}", "all {m}"), ("{m}-made", "crafted from {m}"))
 EXCLUDE_FORMS = _fam(("no {b}", "not {b}", "except {b}", "anything but {b}", "without {b}",
-                      "not from {b}", "exclude {b}", "nothing from {b}", "but not {b}", "no {b} please"),
+                      "not from {b}", "exclude {b}", "nothing from {b}", "but not {b}", "no {b} please", "don't want {b}", "no {b} stuff", "minus {b}", "other than {b}", "not by {b}", "leave out {b}", "apart from {b}", "rather not {b}"),
                      ("avoid {b}", "skip {b}", "excluding {b}"))
 INCLUDE_FORMS = _fam(("{b} {x}", "{x} from {b}", "{x} by {b}", "{x} made by {b}", "only {b} {x}",
-                      "{x} ({b})", "{x} brand {b}"), ("{b}-brand {x}", "{x}, {b} only"))
+                      "{x} ({b})", "{x} brand {b}", "{x} of {b}", "{x} - {b}", "{x} from brand {b}", "{x}, brand: {b}", "{x} (brand {b})", "{x} by the brand {b}"), ("{b}-brand {x}", "{x}, {b} only"))
 OPENERS = _fam(("", "", "", "", "looking for ", "i want ", "show me ", "find ", "need ", "searching for ",
-                "do you have ", "shopping for ", "help me find ", "i need ", "where can i get ", "want "),
+                "do you have ", "shopping for ", "help me find ", "i need ", "where can i get ", "want ", "please find ", "i'm looking for ", "looking to buy ", "search ", "show ", "need to buy ", "in the market for ", "recommend ", "any recs for ", "buy "),
                ("any ", "got any ", "hunting for ", "can you find me ", "i'd like "))
 COMPARE_FORMS = _fam(("compare {a} and {b} {x}", "{a} vs {b} {x}", "{x}: {a} or {b}?", "{a} vs. {b} {x}",
-                      "{a} or {b} {x}?", "difference between {a} and {b} {x}", "{a} compared to {b} {x}"),
+                      "{a} or {b} {x}?", "difference between {a} and {b} {x}", "{a} compared to {b} {x}", "{a} or {b} for {x}", "should i get {a} or {b} {x}", "{a} {x} vs {b} {x}", "{a} against {b} {x}", "pros and cons {a} vs {b} {x}"),
                      ("which is better, {a} or {b} {x}", "{a} versus {b} for {x}"))
 
 # Multi-turn refinements: (kind, seen phrasings, held phrasings)
 REFINE_FORMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "cheaper": (("cheaper", "something cheaper", "show cheaper ones", "cheaper options?",
-                 "anything less expensive?"), ("too pricey, cheaper please",)),
+                 "anything less expensive?", "lower price please", "more affordable ones", "cheaper ones", "show me cheaper", "anything cheaper?"), ("too pricey, cheaper please",)),
     "color_swap": (("{c} instead", "what about in {c}", "show me {c} ones", "make it {c}",
-                    "only {c} please"), ("got it in {c}?",)),
-    "color_add": (("also in {c}", "{c} too", "add {c}", "{c} is fine too"), ("and {c} as well",)),
+                    "only {c} please", "in {c} instead", "switch to {c}", "{c} ones instead", "{c} version please", "change color to {c}"), ("got it in {c}?",)),
+    "color_add": (("also in {c}", "{c} too", "add {c}", "{c} is fine too", "or {c}", "include {c}", "{c} also ok", "also show {c}", "plus {c}"), ("and {c} as well",)),
     "drop_brand": (("drop the brand filter", "any brand is fine", "brand doesn't matter",
-                    "remove the brand"), ("forget the brand",)),
-    "exclude": (("no {b} please", "not {b}", "without {b}", "remove {b}"), ("take out {b}",)),
-    "price": (("make it under {p}", "under {p} instead", "max {p}", "budget is {p}"), ("keep it below {p}",)),
-    "size": (("size {s} instead", "in {s} please", "sz {s}", "need size {s}"), ("actually sz {s}",)),
+                    "remove the brand", "no brand preference", "ignore the brand", "any brand", "clear the brand"), ("forget the brand",)),
+    "exclude": (("no {b} please", "not {b}", "without {b}", "remove {b}", "not {b} though", "exclude {b}", "drop {b}", "no more {b}", "hide {b}"), ("take out {b}",)),
+    "price": (("make it under {p}", "under {p} instead", "max {p}", "budget is {p}", "{p} max now", "lower budget to {p}", "can't spend more than {p}", "under {p} please", "cap it at {p}"), ("keep it below {p}",)),
+    "size": (("size {s} instead", "in {s} please", "sz {s}", "need size {s}", "what about size {s}", "switch to size {s}", "make it size {s}", "{s} please"), ("actually sz {s}",)),
     "stock": (("only in stock", "just what's in stock", "in stock only please",
-               "only available ones"), ("only ones that ship now",)),
-    "sort": (("sort by rating", "best rated first", "top rated first", "highest rated please"), ("order by reviews",)),
+               "only available ones", "hide out of stock", "only available items", "in-stock ones", "available now only"), ("only ones that ship now",)),
+    "sort": (("sort by rating", "best rated first", "top rated first", "highest rated please", "sort by stars", "best reviewed first", "show top rated", "by rating please"), ("order by reviews",)),
     "delivery": (("with free shipping", "free shipping only", "only free delivery",
-                  "must ship free"), ("no delivery fee",)),
+                  "must ship free", "free delivery only", "ships free only", "free shipping please", "with free delivery"), ("no delivery fee",)),
 }
 
 SUPPORT_FORMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "refund_window": (("how long do i have to return something?", "what is your refund policy?",
                        "can i get a refund after 2 weeks?", "return window?",
-                       "can i return this?", "what's the return policy?"),
+                       "can i return this?", "what's the return policy?", "refund window?", "how long are returns accepted?", "can i still return my order?"),
                       ("is there a time limit for refunds?", "how many days to send stuff back?")),
     "return_shipping": (("do i have to pay for return shipping?", "how do i send an item back?",
-                         "is returning free?", "how do returns work?"), ("who pays postage on returns?", "return label?")),
+                         "is returning free?", "how do returns work?", "are returns free?", "cost to return an item?", "how do i ship a return?"), ("who pays postage on returns?", "return label?")),
     "order_status": (("where is my order {o}?", "status of order {o}", "has order {o} shipped yet?",
                       "tracking for {o}",
-                      "where's {o}?", "track order {o}"), ("any update on {o}?", "order {o} still not here")),
-    "order_status_noid": (("where is my order?", "has my package shipped?"), ("my stuff hasn't arrived",)),
+                      "where's {o}?", "track order {o}", "where's my package {o}", "order {o} status?", "when will {o} arrive?", "is {o} on the way?", "{o} tracking?"), ("any update on {o}?", "order {o} still not here")),
+    "order_status_noid": (("where is my order?", "has my package shipped?", "where's my package?", "is my order on the way?", "tracking my order"), ("my stuff hasn't arrived",)),
     "payment_methods": (("what payment methods do you accept?", "can i pay with paypal?",
-                         "do you take amex?", "can i pay by card?"), ("is apple pay ok?", "which cards work?")),
+                         "do you take amex?", "can i pay by card?", "do you accept visa?", "can i use google pay?", "payment options?", "do you take mastercard?", "can i pay with klarna?"), ("is apple pay ok?", "which cards work?")),
     "shipping_times": (("how long does shipping take?", "when will my stuff arrive?",
-                        "how fast is delivery?", "how many days for shipping?"), ("standard shipping time?", "delivery estimate?")),
+                        "how fast is delivery?", "how many days for shipping?", "how long will delivery take?", "when does my order ship?", "shipping speed?", "how soon will it get here?"), ("standard shipping time?", "delivery estimate?")),
     "international": (("do you ship to canada?", "do you ship internationally?",
-                       "can i order from germany?", "do you deliver to the uk?"), ("ship abroad?", "international delivery time?")),
+                       "can i order from germany?", "do you deliver to the uk?", "do you ship to australia?", "can you deliver to france?", "worldwide shipping?", "do you ship outside the us?"), ("ship abroad?", "international delivery time?")),
     "cancel_order": (("cancel order {o}", "how do i cancel order {o}?", "i want to cancel {o}",
-                      "please cancel {o}"),
+                      "please cancel {o}", "cancel my order {o}", "i need to cancel {o}", "{o} cancel please"),
                      ("please stop order {o}", "can {o} still be cancelled?")),
-    "cancel_order_noid": (("how do i cancel an order?", "can i cancel my order?"), ("undo my purchase",)),
+    "cancel_order_noid": (("how do i cancel an order?", "can i cancel my order?", "how to cancel?", "i want to cancel my order"), ("undo my purchase",)),
     "warranty": (("is there a warranty on headphones?", "what warranty do electronics have?",
-                  "my laptop broke, is it covered?", "how long is the warranty?"), ("guarantee on gadgets?", "warranty claim?")),
+                  "my laptop broke, is it covered?", "how long is the warranty?", "does my tv have a warranty?", "warranty period?", "my phone stopped working, covered?", "how do i use the warranty?"), ("guarantee on gadgets?", "warranty claim?")),
 }
-SUPPORT_PREFIX = _fam(("", "", "hi, ", "hello, ", "quick question: ", "hey "), ("good morning, ", "excuse me, "))
-SUPPORT_SUFFIX = _fam(("", "", " thanks", " thank you", " pls"), (" cheers", " asap"))
+SUPPORT_PREFIX = _fam(("", "", "hi, ", "hello, ", "quick question: ", "hey ", "hey there, ", "hi team, ", "question: ", "sorry, "), ("good morning, ", "excuse me, "))
+SUPPORT_SUFFIX = _fam(("", "", " thanks", " thank you", " pls", " please", " ty", " thx"), (" cheers", " asap"))
 
 
 @dataclass
@@ -423,12 +425,15 @@ class Generator:
             cur = rng.choices(list(CURRENCY_WEIGHTS), weights=list(CURRENCY_WEIGHTS.values()))[0]
             p["currency"] = cur
             kind = rng.random()
-            if kind < 0.6:
+            # Shoppers mostly state a ceiling (60% max, 20% min, 20% range). Training sees the
+            # directions more evenly, or the model learns "a price is a price_max".
+            p_max, p_min = (0.4, 0.75) if split == "train" else (0.6, 0.8)
+            if kind < p_max:
                 a = _price_amount(rng, cur)
                 p["price_max"] = a
                 form = _pick_form(rng, split, PRICE_MAX.seen, PRICE_MAX.held, "price_max", fams)
                 parts.append(form.format(p=_money(rng, split, a, cur, fams)))
-            elif kind < 0.8:
+            elif kind < p_min:
                 a = _price_amount(rng, cur)
                 p["price_min"] = a
                 form = _pick_form(rng, split, PRICE_MIN.seen, PRICE_MIN.held, "price_min", fams)
