@@ -46,6 +46,18 @@ def test_missing_model_errors_say_what_to_do(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelNotFound, match="no config.json"):
         resolve_model(str(tmp_path / "empty"))
+
+
+def test_adapter_directory_is_merged_onto_the_base(tmp_path, monkeypatch):
+    """`--model runs/lora/v3` (a build-model --adapter-out) serves base + that adapter."""
+    from cartspec.model import registry
+
+    merged = []
+    monkeypatch.setattr(registry, "merged_commerce", lambda adapter: merged.append(adapter) or tmp_path / "m")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    assert registry.resolve_model(str(tmp_path / "adapter")) == tmp_path / "m"
+    assert merged == [tmp_path / "adapter"]
     with pytest.raises(ModelNotFound, match="GGUF file not found"):
         convert_gguf(tmp_path / "x.gguf", out=tmp_path / "o")
 

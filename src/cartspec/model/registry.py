@@ -21,12 +21,16 @@ def _check_hf_dir(path: Path, what: str) -> Path:
 
 
 def resolve_model(name: str) -> Path:
-    """``base`` (converted GGUF), ``commerce`` (base + bundled LoRA, merged) or a path."""
+    """``base`` (converted GGUF), ``commerce`` (base + bundled LoRA, merged), or a path: a model
+    directory, or a LoRA adapter directory (from ``build-model --adapter-out``), merged onto the base."""
     if name == "base":
         return convert_gguf()
     if name == "commerce":
         return merged_commerce()
-    return _check_hf_dir(Path(name).expanduser(), "model directory")
+    path = Path(name).expanduser()
+    if (path / "adapter_config.json").exists() and not (path / "config.json").exists():
+        return merged_commerce(path)
+    return _check_hf_dir(path, "model directory")
 
 
 def merged_commerce(adapter: Path = BUNDLED_ADAPTER) -> Path:
