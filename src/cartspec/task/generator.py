@@ -421,13 +421,15 @@ class Generator:
                 shown = SIZE_WORDS[s]
                 fams.append("size:word")
             parts.append(_pick_form(rng, split, SIZE_FORMS.seen, SIZE_FORMS.held, "size", fams).format(s=shown))
-        if rng.random() < 0.5:
+        if rng.random() < (0.6 if split == "train" else 0.5):
             cur = rng.choices(list(CURRENCY_WEIGHTS), weights=list(CURRENCY_WEIGHTS.values()))[0]
             p["currency"] = cur
             kind = rng.random()
-            # Shoppers mostly state a ceiling (60% max, 20% min, 20% range). Training sees the
-            # directions more evenly, or the model learns "a price is a price_max".
-            p_max, p_min = (0.4, 0.75) if split == "train" else (0.6, 0.8)
+            # Shoppers mostly state a ceiling (60% max, 20% min, 20% range). The model picks the
+            # direction at one token, "price" -> "_min" | "_max" (a range starts with _min), and a
+            # small model leans on that token's prior: at 60/20/20 it read floors as ceilings, at
+            # 40/35/25 ceilings as floors. Training makes the two even: 50% max, 25% min, 25% range.
+            p_max, p_min = (0.5, 0.75) if split == "train" else (0.6, 0.8)
             if kind < p_max:
                 a = _price_amount(rng, cur)
                 p["price_max"] = a
