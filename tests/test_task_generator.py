@@ -157,3 +157,12 @@ def test_training_balances_price_direction_test_keeps_the_natural_mix(train, tes
     assert 0.43 < train_min < 0.57 and 0.43 < train_max < 0.57  # the first price key: _min half the time
     test_min, test_max = mix(test_split)
     assert test_min < 0.47 and test_max > 0.53  # the natural mix: 40% / 60%
+
+
+def test_each_request_says_what_training_never_showed_it(train, test_split):
+    assert {r.meta["unseen"] for r in train} == {"none"}
+    kinds = Counter(r.meta["unseen"] for r in test_split)
+    assert set(kinds) == {"none", "values", "phrasings", "both"}
+    assert kinds["both"] > kinds["none"]
+    assert g.unseen(["color:plain", "size:held"], {"keywords": "jeans"}) == "phrasings"
+    assert g.unseen(["color:plain"], {"colors": ["teal"], "keywords": "jeans"}) == "values"

@@ -91,3 +91,17 @@ def test_request_file_errors_name_line_and_field(tmp_path):
         read_requests(p)
     with pytest.raises(DataFileError, match="not found"):
         read_requests(tmp_path / "missing.jsonl")
+
+
+def test_scores_are_broken_down_by_what_training_never_showed():
+    from cartspec.task.generator import generate
+    from cartspec.task.schema import SCHEMAS, canonical_json
+
+    reqs = generate("test", 60)
+    # right on everything but requests holding an unseen value
+    replies = ["{}" if r.meta["unseen"] in ("values", "both") else canonical_json(SCHEMAS[r.task].model_validate(r.gold))
+               for r in reqs]
+    agg = aggregate([score_item(r, t) for r, t in zip(reqs, replies)], reqs)
+    by = agg["by_unseen"]
+    assert by["phrasings"]["exact_match"] == 1.0 and by["both"]["exact_match"] == 0.0
+    assert sum(v["n"] for v in by.values()) == 60

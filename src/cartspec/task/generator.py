@@ -592,10 +592,31 @@ class Generator:
                 kind = "search"
             gold_d = canonical_dict(gold)
         meta: dict[str, Any] = {"kind": kind, "families": sorted(set(fams))}
+        meta["unseen"] = unseen(meta["families"], gold_d)
         if kind == "refine":
             meta["last_step"] = last_step
         return Request(id=f"{self.split}-{idx:05d}", query=query, history=history, task=task, gold=gold_d,
                        meta=meta)
+
+
+_HELD_VALUES: dict[str, set] = {
+    "keywords": {x for pool in PRODUCTS.values() for x in pool.held},
+    "brands_include": {x for pool in BRANDS.values() for x in pool.held},
+    "brands_exclude": {x for pool in BRANDS.values() for x in pool.held},
+    "colors": set(COLORS.held),
+    "material": {x for pool in MATERIALS.values() for x in pool.held},
+    "size": {x for pool in SIZES.values() for x in pool.held},
+    "min_rating": {4.2, 4.8},  # training only rates 3, 3.5, 4, 4.5
+}
+
+
+def unseen(families: list[str], gold: dict[str, Any]) -> str:
+    """What in a request training never showed: "none", "values", "phrasings" or "both"."""
+    phrasing = any(f.endswith(":held") for f in families)
+    value = any(v in _HELD_VALUES[k] for k, vals in gold.items() if k in _HELD_VALUES
+                for v in (vals if isinstance(vals, list) else [vals]))
+    return {(False, False): "none", (False, True): "values", (True, False): "phrasings",
+            (True, True): "both"}[(phrasing, value)]
 
 
 def generate(split: Split, n: int, seed: int | None = None) -> list[Request]:

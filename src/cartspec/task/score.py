@@ -89,6 +89,14 @@ def aggregate(items: list[ItemScore], requests: list[Request] | None = None) -> 
         if len(groups) > 1:
             out["by_kind"] = {k: {kk: vv for kk, vv in aggregate(v).items() if kk != "per_field"}
                               for k, v in sorted(groups.items())}
+        # generated requests say what in them training never showed (task/generator.py: unseen)
+        novel: dict[str, list[ItemScore]] = defaultdict(list)
+        for req, item in zip(requests, items):
+            if "unseen" in req.meta:
+                novel[req.meta["unseen"]].append(item)
+        if novel:
+            out["by_unseen"] = {k: {kk: vv for kk, vv in aggregate(novel[k]).items() if kk != "per_field"}
+                                for k in ("none", "values", "phrasings", "both") if k in novel}
     return out
 
 
