@@ -244,6 +244,9 @@ def test_paired_quality_test_flags_a_deployment_whose_answers_are_worse(tmp_path
              "ngram-g5": FakeConfig(tokens=10, reply='{"intent": "search", "keywords": "y"}')}
     p = plan("baseline", "ngram:3", "ngram:5", concurrencies=[2, 4], n_requests=16, request_sets=[str(data)])
     run_sweep(p, tmp_path / "run", launcher=fake_launcher(tmp_path, paces))
+    (base,) = [r for r in load_results(tmp_path / "run") if r.config.deployment == "baseline" and r.config.concurrency == 2]
+    assert all(rec.exact is True and rec.task == "search" for rec in base.records)  # scored when measured
+    data.unlink()  # the report needs only the results file, not the requests (or a generator that changed since)
     rep = build_report(tmp_path / "run")
     tests = {t["deployment"]: t for t in json.loads(rep.summary.read_text())["quality_tests"]}
     assert set(tests) == {"ngram-g3", "ngram-g5"}

@@ -137,6 +137,9 @@ class RequestRecord(BaseModel):
     status: int = 0
     spec: dict[str, Any] | None = Field(None, description="vLLM per-request speculative metrics (summary)")
     text: str | None = Field(None, description="the reply as streamed")
+    task: str | None = Field(None, description="search | support: how the reply is parsed")
+    exact: bool | None = Field(None, description="the reply matches the request's gold answer in every field "
+                                                 "(scored when measured; None without gold)")
 
     @property
     def ok(self) -> bool:

@@ -373,8 +373,13 @@ def reply_quality(records: list, requests: list[ChatRequest]) -> tuple[float | N
     from ..task.score import score_item
 
     by_id = {r.id: r.source for r in requests if r.source is not None}
-    scored = [score_item(by_id[rec.id], rec.text) for rec in records
-              if rec.ok and rec.text is not None and rec.id in by_id]
+    scored = []
+    for rec in records:
+        if rec.ok and rec.text is not None and rec.id in by_id:
+            item = score_item(by_id[rec.id], rec.text)
+            # kept on the record: the report's paired tests must not re-derive gold later
+            rec.task, rec.exact = item.task, item.exact
+            scored.append(item)
     if not scored:
         return None, None
     with_gold = [s.exact for s in scored if s.exact is not None]

@@ -71,11 +71,23 @@ def compare(requests: list[Request], baseline: list[str], candidate: list[str], 
         raise ValueError("requests, baseline and candidate must be non-empty and of equal length")
     if clusters is not None and len(clusters) != len(requests):
         raise ValueError("clusters must give one key per request")
-    n = len(requests)
-    exact = sum(a == b for a, b in zip(baseline, candidate)) / n
-    same = sum(_parsed(r.task, a) == _parsed(r.task, b) for r, a, b in zip(requests, baseline, candidate)) / n
     ok_a = [bool(score_item(r, t).exact) for r, t in zip(requests, baseline)]
     ok_b = [bool(score_item(r, t).exact) for r, t in zip(requests, candidate)]
+    return compare_scored([r.task for r in requests], baseline, candidate, ok_a, ok_b, margin=margin,
+                          n_boot=n_boot, seed=seed, clusters=clusters)
+
+
+def compare_scored(tasks: list[str], baseline: list[str], candidate: list[str], ok_a: list[bool],
+                   ok_b: list[bool], margin: float = 0.02, n_boot: int = 2000, seed: int = 0,
+                   clusters: list[Any] | None = None) -> Agreement:
+    """``compare`` on replies already scored against gold (``ok_*``: exact match per pair)."""
+    n = len(tasks)
+    if not n or not (len(baseline) == len(candidate) == len(ok_a) == len(ok_b) == n):
+        raise ValueError("tasks, replies and scores must be non-empty and of equal length")
+    if clusters is not None and len(clusters) != n:
+        raise ValueError("clusters must give one key per request")
+    exact = sum(a == b for a, b in zip(baseline, candidate)) / n
+    same = sum(_parsed(t, a) == _parsed(t, b) for t, a, b in zip(tasks, baseline, candidate)) / n
     acc_a, acc_b = sum(ok_a) / n, sum(ok_b) / n
     groups: dict[Any, list[int]] = {}
     for i, key in enumerate(clusters if clusters is not None else range(n)):

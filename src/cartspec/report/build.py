@@ -96,43 +96,31 @@ def quality_tests(results: list[PointResult]) -> list[dict[str, Any]]:
     """Per speculative deployment, temperature and request set: its replies against the baseline's to the
     same requests at the same loads (``quality/agreement.py``): identical text, equal parsed JSON, and the
     paired difference in exact match against gold with a 95% bootstrap interval and an exact sign test.
-    A request answered at several loads is one cluster (resampled together), not several samples."""
-    from ..bench.sweep import load_request_set
-    from ..quality.agreement import compare
+    A request answered at several loads is one cluster (resampled together), not several samples.
+    Uses the scores each record got when it was measured (results from before they were kept: skipped)."""
+    from ..quality.agreement import compare_scored
 
     ok = [r for r in results if r.status == "ok"]
     base = {_group_key(r): r for r in ok if r.config.method == "none"}
-    sources: dict[tuple, dict[str, Any]] = {}
-
-    def gold(c) -> dict[str, Any]:
-        key = (c.request_set, c.structured)
-        if key not in sources:
-            n = max(r.config.n_requests + r.config.warmup for r in ok if r.config.request_set == c.request_set)
-            try:
-                reqs = load_request_set(c.request_set, n, c.max_tokens, c.structured)
-            except (OSError, ValueError):  # a request file that is gone: nothing to score against
-                reqs = []
-            sources[key] = {q.id: q.source for q in reqs if q.source is not None}
-        return sources[key]
-
     pairs: dict[tuple, list[tuple]] = {}
     for r in ok:
         b = base.get(_group_key(r))
         if r.config.method == "none" or b is None:
             continue
-        by_id = gold(r.config)
-        theirs = {x.id: x.text for x in b.records if x.ok and x.text is not None}
+        theirs = {x.id: x for x in b.records if x.ok and x.text is not None and x.exact is not None}
         key = (r.config.deployment, r.config.temperature, r.config.request_set)
         pairs.setdefault(key, []).extend(
-            (by_id[x.id], theirs[x.id], x.text, x.id) for x in r.records
-            if x.ok and x.text is not None and x.id in theirs and x.id in by_id)
+            (x.task or "search", theirs[x.id], x) for x in r.records
+            if x.ok and x.text is not None and x.exact is not None and x.id in theirs)
     out = []
     for (dep, temp, rs), ps in sorted(pairs.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
         if not ps:
             continue
-        a = compare([p[0] for p in ps], [p[1] for p in ps], [p[2] for p in ps], clusters=[p[3] for p in ps])
+        a = compare_scored([p[0] for p in ps], [p[1].text for p in ps], [p[2].text for p in ps],
+                           [bool(p[1].exact) for p in ps], [bool(p[2].exact) for p in ps],
+                           clusters=[p[2].id for p in ps])
         out.append({"deployment": dep, "temperature": temp, "request_set": rs, "pairs": a.n,
-                    "requests": len({p[3] for p in ps}), **{k: v for k, v in a.to_dict().items() if k != "n"}})
+                    "requests": len({p[2].id for p in ps}), **{k: v for k, v in a.to_dict().items() if k != "n"}})
     return out
 
 
