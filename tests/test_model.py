@@ -126,3 +126,15 @@ def test_lora_training_resumes_where_it_stopped(tiny_llama_dir, tmp_path, monkey
     assert {v.dtype for v in a.values()} == {torch.bfloat16}  # shipped at half the bytes
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def test_adapter_cache_key_is_its_weights_not_its_notes(tmp_path):
+    from cartspec.model.registry import adapter_digest
+
+    (tmp_path / "adapter_config.json").write_text('{"r": 16}')
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"weights")
+    key = adapter_digest(tmp_path)
+    (tmp_path / "PROVENANCE.md").write_text("notes")
+    assert adapter_digest(tmp_path) == key
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"other weights")
+    assert adapter_digest(tmp_path) != key

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..paths import ASSETS, dir_digest, models_dir
+import hashlib
+
+from ..paths import ASSETS, file_digest, models_dir
 from .convert import ModelNotFound, convert_gguf
 
 BUNDLED_ADAPTER = ASSETS / "lora" / "commerce"
@@ -33,6 +35,16 @@ def resolve_model(name: str) -> Path:
     return _check_hf_dir(path, "model directory")
 
 
+def adapter_digest(adapter: Path) -> str:
+    """Cache key of an adapter: its config and weights only (editing its PROVENANCE.md or training log
+    does not make a new model)."""
+    h = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        h.update(name.encode())
+        h.update(file_digest(Path(adapter) / name).encode())
+    return h.hexdigest()
+
+
 def merged_commerce(adapter: Path = BUNDLED_ADAPTER) -> Path:
     """The fine-tuned target: base + adapter merged, cached by both contents."""
     from .lora import merge_adapter
@@ -42,7 +54,7 @@ def merged_commerce(adapter: Path = BUNDLED_ADAPTER) -> Path:
             f"no LoRA adapter at {adapter}: build it with `cartspec build-model` "
             "(or pass a model directory with --model PATH)")
     base = convert_gguf()
-    key = dir_digest(adapter)[:12]
+    key = adapter_digest(adapter)[:12]
     out = models_dir() / f"commerce-{key}"
     marker = out / "cartspec.json"
     if not marker.exists():
