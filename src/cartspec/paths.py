@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 ASSETS = PACKAGE_DIR / "assets"
@@ -46,10 +46,11 @@ def file_digest(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def dir_digest(path: Path) -> str:
-    """Hash of a directory's files (names and contents), for cache keys."""
+def dir_digest(path: Path, only: Iterable[str] | None = None) -> str:
+    """Hash of a directory's files (names and contents), for cache keys; ``only``: just these files."""
     h = hashlib.sha256()
-    for f in sorted(p for p in Path(path).rglob("*") if p.is_file()):
+    files = [Path(path) / n for n in only] if only is not None else (p for p in Path(path).rglob("*") if p.is_file())
+    for f in sorted(files):
         h.update(str(f.relative_to(path)).encode())
         h.update(file_digest(f).encode())
     return h.hexdigest()

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import hashlib
-
-from ..paths import ASSETS, file_digest, models_dir
+from ..paths import ASSETS, dir_digest, models_dir
 from .convert import ModelNotFound, convert_gguf
 
 BUNDLED_ADAPTER = ASSETS / "lora" / "commerce"
@@ -38,11 +36,7 @@ def resolve_model(name: str) -> Path:
 def adapter_digest(adapter: Path) -> str:
     """Cache key of an adapter: its config and weights only (editing its PROVENANCE.md or training log
     does not make a new model)."""
-    h = hashlib.sha256()
-    for name in ("adapter_config.json", "adapter_model.safetensors"):
-        h.update(name.encode())
-        h.update(file_digest(Path(adapter) / name).encode())
-    return h.hexdigest()
+    return dir_digest(adapter, only=("adapter_config.json", "adapter_model.safetensors"))
 
 
 def merged_commerce(adapter: Path = BUNDLED_ADAPTER) -> Path:

@@ -87,17 +87,20 @@ def aggregate(items: list[ItemScore], requests: list[Request] | None = None) -> 
         for req, item in zip(requests, items):
             groups[req.meta.get("kind", req.task)].append(item)
         if len(groups) > 1:
-            out["by_kind"] = {k: {kk: vv for kk, vv in aggregate(v).items() if kk != "per_field"}
-                              for k, v in sorted(groups.items())}
+            out["by_kind"] = {k: _headline(v) for k, v in sorted(groups.items())}
         # generated requests say what in them training never showed (task/generator.py: unseen)
         novel: dict[str, list[ItemScore]] = defaultdict(list)
         for req, item in zip(requests, items):
             if "unseen" in req.meta:
                 novel[req.meta["unseen"]].append(item)
         if novel:
-            out["by_unseen"] = {k: {kk: vv for kk, vv in aggregate(novel[k]).items() if kk != "per_field"}
-                                for k in ("none", "values", "phrasings", "both") if k in novel}
+            out["by_unseen"] = {k: _headline(novel[k]) for k in ("none", "values", "phrasings", "both") if k in novel}
     return out
+
+
+def _headline(items: list[ItemScore]) -> dict[str, Any]:
+    """A group's scores without the per-field breakdown."""
+    return {k: v for k, v in aggregate(items).items() if k != "per_field"}
 
 
 def as_dict(model: BaseModel | None) -> dict[str, Any] | None:
