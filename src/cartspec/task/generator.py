@@ -114,37 +114,6 @@ BRAND_TYPOS = {"adidas": "addidas", "skechers": "sketchers", "new balance": "new
                "nike": "nikee", "samsung": "samsng", "levi's": "levis", "loreal": "l'oreal",
                "saucony": "sauconi", "sennheiser": "senheiser", "patagonia": "patagucci"}
 
-# Made-up brand names, training only. With ~20 real names per category the model memorises the
-# list and garbles brands it never saw ("sauconi" -> "suconi", "merrell-brand" -> "merrill-brand");
-# names it cannot have memorised teach it to copy whatever span the phrasing marks as a brand.
-P_SYNTHETIC_BRAND = 0.4
-_SYLLABLES = ("ka", "lo", "ven", "tar", "mi", "zo", "bri", "del", "or", "san", "ta", "vik", "ne", "ro",
-              "lu", "mar", "fen", "quin", "ar", "is", "el", "on", "dra", "po", "gen", "tek", "lin", "sol",
-              "ver", "na", "bel", "cor", "ra", "ux", "ly", "ha", "nor", "pe", "sti", "wa", "gro", "fi")
-
-
-def synthetic_brand(rng: random.Random) -> str:
-    """A pronounceable brand name that is not in any brand list (so never a held-out one)."""
-    real = {b for pool in BRANDS.values() for b in pool.seen + pool.held}
-    while True:
-        def word() -> str:
-            return "".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((2, 2, 3))))
-        r = rng.random()
-        name = (word() if r < 0.6 else
-                f"{word()} {word()}" if r < 0.8 else
-                f"{word()}{rng.choice(('-', ' & ', '+'))}{word()}" if r < 0.9 else
-                f"{word()}{rng.choice((' co', ' labs', ' & co', ' studio'))}")
-        if name not in real and not any(w in real for w in name.split()):
-            return name
-
-
-# Contrast twins, training only: a search with a price bound or a sort order is sometimes followed
-# by a twin that differs in that one phrase (a floor for a ceiling, another sort) and in that one
-# field. The model picks price_min vs price_max, and the sort, at one token; trained on v4's data it
-# still flipped seen phrasings ("min 1200 US dollars" -> price_max). Twins make the phrase the only
-# evidence for the decision.
-P_TWIN = 0.35
-
 COLORS = Pool(("black", "white", "red", "blue", "green", "navy", "grey", "pink", "beige", "brown",
                "yellow", "purple", "orange", "tan", "khaki", "charcoal", "ivory",
                "lavender", "coral", "mint", "turquoise", "mustard", "magenta", "sky blue", "forest green", "rust", "peach", "lilac", "crimson", "indigo", "aqua", "fuchsia", "salmon", "taupe", "plum", "emerald", "sage", "cobalt", "mauve", "off-white", "light blue", "camel", "lime", "hot pink"), ("olive", "burgundy", "teal", "maroon", "cream", "silver"))
@@ -368,19 +337,11 @@ class Generator:
     def __init__(self, split: Split, seed: int | None = None):
         self.split = split
         self.rng = random.Random(SPLIT_SEEDS[split] * 1_000_003 + (seed or 0))
-        self.twin: tuple[str, SearchParams, list[str]] | None = None
-        self.pending: list[Request] = []  # contrast twins waiting to follow their original
 
     # --- search -----------------------------------------------------------
     def _product(self) -> tuple[str, str]:
         category = self.rng.choice(list(PRODUCTS))
         return category, PRODUCTS[category].pick(self.rng, self.split)
-
-    def _brand(self, pool: Pool) -> str:
-        # The split test comes first so dev and test draw exactly what they drew before.
-        if self.split == "train" and self.rng.random() < P_SYNTHETIC_BRAND:
-            return synthetic_brand(self.rng)
-        return pool.pick(self.rng, self.split)
 
     def search(self) -> tuple[str, SearchParams, list[str]]:
         rng, split = self.rng, self.split
@@ -434,7 +395,7 @@ class Generator:
 
         brand_pool = BRANDS[category]
         if rng.random() < 0.35:
-            b = self._brand(brand_pool)
+            b = brand_pool.pick(rng, split)
             p["brands_include"] = [b]
             shown = b
             if b in BRAND_TYPOS and rng.random() < 0.25:
@@ -444,11 +405,10 @@ class Generator:
             noun = form.format(b=shown, x=noun)
 
         parts: list[str] = [noun]
-        contrasts: list[tuple[str, str, str]] = []  # (field, its phrase in parts, value) a twin may flip
         if material_suffix:
             parts.append(material_suffix)
         if rng.random() < 0.2:
-            excl = self._brand(brand_pool)
+            excl = brand_pool.pick(rng, split)
             if excl not in p.get("brands_include", []):
                 p["brands_exclude"] = [excl]
                 parts.append(_pick_form(rng, split, EXCLUDE_FORMS.seen, EXCLUDE_FORMS.held,
@@ -474,16 +434,12 @@ class Generator:
                 a = _price_amount(rng, cur)
                 p["price_max"] = a
                 form = _pick_form(rng, split, PRICE_MAX.seen, PRICE_MAX.held, "price_max", fams)
-                money = _money(rng, split, a, cur, fams)
-                parts.append(form.format(p=money))
-                contrasts.append(("price_max", parts[-1], money))
+                parts.append(form.format(p=_money(rng, split, a, cur, fams)))
             elif kind < p_min:
                 a = _price_amount(rng, cur)
                 p["price_min"] = a
                 form = _pick_form(rng, split, PRICE_MIN.seen, PRICE_MIN.held, "price_min", fams)
-                money = _money(rng, split, a, cur, fams)
-                parts.append(form.format(p=money))
-                contrasts.append(("price_min", parts[-1], money))
+                parts.append(form.format(p=_money(rng, split, a, cur, fams)))
             else:
                 a, b = sorted(rng.sample([_price_amount(rng, cur) for _ in range(4)], 2))
                 if a == b:
@@ -499,7 +455,6 @@ class Generator:
             s = rng.choice(list(SORTS))
             p["sort"] = s
             parts.append(_pick_form(rng, split, *SORTS[s], "sort", fams))
-            contrasts.append(("sort", parts[-1], s))
         if rng.random() < 0.2:
             d = rng.choice(list(DELIVERY))
             p["delivery"] = d
@@ -512,46 +467,19 @@ class Generator:
         rng.shuffle(tail)
         sep = rng.choice([" ", ", "])
         opener = _pick_form(rng, split, OPENERS.seen, OPENERS.held, "opener", fams)
-        order = [head] + tail
-        text = opener + sep.join(order)
-        case = None
+        text = opener + sep.join([head] + tail)
         if rng.random() < 0.1:
-            case = str.upper if rng.random() < 0.3 else str.capitalize
-            text = case(text)
+            text = text.upper() if rng.random() < 0.3 else text.capitalize()
             fams.append("case")
-        self.twin = None
-        if split == "train" and contrasts and rng.random() < P_TWIN:
-            self.twin = self._contrast_twin(rng.choice(contrasts), p, fams, order, opener, sep, case)
         return text, SearchParams(**p), fams
-
-    def _contrast_twin(self, contrast: tuple[str, str, str], p: dict[str, Any], fams: list[str],
-                       order: list[str], opener: str, sep: str, case) -> tuple[str, SearchParams, list[str]]:
-        """The same request with one decision flipped: its phrase and its field, nothing else."""
-        rng = self.rng
-        what, part, value = contrast
-        q = dict(p)
-        if what == "sort":
-            flip = {"price_asc": "price_desc", "price_desc": "price_asc"}
-            new = flip.get(value) or rng.choice([k for k in SORTS if k != value])
-            q["sort"] = new
-            phrase = rng.choice(SORTS[new][0])
-            fam_old, fam_new = "sort:seen", "sort:seen"
-        else:
-            new = "price_min" if what == "price_max" else "price_max"
-            q[new] = q.pop(what)
-            phrase = rng.choice((PRICE_MIN if new == "price_min" else PRICE_MAX).seen).format(p=value)
-            fam_old, fam_new = f"{what}:seen", f"{new}:seen"
-        text = opener + sep.join(phrase if x is part else x for x in order)
-        twin_fams = [f for f in fams if f != fam_old] + [fam_new]
-        return (case(text) if case else text), SearchParams(**q), twin_fams
 
     def compare(self) -> tuple[str, SearchParams, list[str]]:
         rng, split = self.rng, self.split
         fams: list[str] = []
         category, product = self._product()
         pool = BRANDS[category]
-        a = self._brand(pool)
-        b = self._brand(pool)
+        a = pool.pick(rng, split)
+        b = pool.pick(rng, split)
         while b == a:
             b = rng.choice(pool.seen + pool.held)
         form = _pick_form(rng, split, COMPARE_FORMS.seen, COMPARE_FORMS.held, "compare", fams)
@@ -598,7 +526,7 @@ class Generator:
         elif kind == "drop_brand":
             p.pop("brands_include", None)
         elif kind == "exclude":
-            b = self._brand(BRANDS[category])
+            b = BRANDS[category].pick(rng, split)
             p["brands_exclude"] = sorted(set(p.get("brands_exclude", [])) | {b})
             p["brands_include"] = [x for x in p.get("brands_include", []) if x != b]
             args["b"] = b
@@ -662,13 +590,6 @@ class Generator:
             else:
                 query, gold, fams = self.search()
                 kind = "search"
-                if self.twin is not None:
-                    t_query, t_gold, t_fams = self.twin
-                    t_gold_d = canonical_dict(t_gold)
-                    self.pending.append(Request(
-                        id=f"{self.split}-{idx:05d}-twin", query=t_query, task="search", gold=t_gold_d,
-                        meta={"kind": "search", "families": sorted(set(t_fams)), "twin": True,
-                              "unseen": unseen(t_fams, t_gold_d)}))
             gold_d = canonical_dict(gold)
         meta: dict[str, Any] = {"kind": kind, "families": sorted(set(fams))}
         meta["unseen"] = unseen(meta["families"], gold_d)
@@ -705,16 +626,14 @@ def generate(split: Split, n: int, seed: int | None = None) -> list[Request]:
     seen_queries: set[tuple] = set()
     idx = 0
     while len(out) < n:
-        batch = [gen.request(idx)] + gen.pending
-        gen.pending = []
+        req = gen.request(idx)
         idx += 1
-        for req in batch:
-            key = (req.query, tuple(t.content for t in req.history))
-            if key in seen_queries or len(out) == n:
-                continue
-            seen_queries.add(key)
-            req.id = f"{split}-{len(out):05d}"
-            out.append(req)
+        key = (req.query, tuple(t.content for t in req.history))
+        if key in seen_queries:
+            continue
+        seen_queries.add(key)
+        req.id = f"{split}-{len(out):05d}"
+        out.append(req)
     return out
 
 
