@@ -216,3 +216,30 @@ def test_vllm_caller_killed_mid_run_leaves_no_process(tiny_llama_dir, tmp_path):
     caller.kill()
     caller.wait(10)
     assert _wait_gone(pids, 30) == []
+
+
+# Shaped like the log of the engine that died in session 3's paper study (c=32, T=0.5).
+_DEAD_ENGINE_LOG = """\
+(APIServer pid=1) WARNING 11-29 16:05:07 [system_utils.py:255] Found ulimit of 20000 and failed to automatically increase with error current limit exceeds maximum limit. This can cause fd limit errors like `OSError: [Errno 24] Too many open files`.
+(APIServer pid=1) INFO 11-29 16:05:09 [api_server.py:1] Starting vLLM API server
+(Worker pid=3) ERROR 11-29 16:07:38 [multiproc_executor.py:1063]     gen.set_offset(gen.get_offset() - 4)
+(Worker pid=3) ERROR 11-29 16:07:38 [multiproc_executor.py:1063] RuntimeError: CPU Generator does not use offset
+(EngineCore pid=2) ERROR 11-29 16:07:38 [core.py:1512] RuntimeError: Worker failed with error 'CPU Generator does not use offset', please check the stack trace above for the root cause
+""" + "(APIServer pid=1) ERROR 11-29 16:12:57 [serving.py:929] vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.\n" * 500
+
+
+def test_a_dead_engine_is_reported_by_its_root_cause_not_by_what_followed():
+    from cartspec.serving.server import root_cause
+
+    assert root_cause(_DEAD_ENGINE_LOG) == "RuntimeError: CPU Generator does not use offset"
+    assert root_cause("(APIServer pid=1) INFO ok\n" + _DEAD_ENGINE_LOG.splitlines()[-1]) is None
+
+
+def test_sweep_reports_why_a_vllm_deployment_died(tmp_path):
+    from cartspec.bench.sweep import VllmDeployment
+    from cartspec.serving.spec import DeploymentSpec
+
+    dep = VllmDeployment(DeploymentSpec(name="x"), log_dir=tmp_path)
+    dep.server.log_path.write_text(_DEAD_ENGINE_LOG)
+    reason = dep.died_reason()
+    assert "RuntimeError: CPU Generator does not use offset" in reason and str(dep.server.log_path) in reason

@@ -75,3 +75,43 @@ def test_the_shim_still_runs_a_sitecustomize_it_shadows(tmp_path):
     out = subprocess.run([sys.executable, "-c", "import builtins; print(getattr(builtins, 'SHADOWED_RAN', False))"],
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+
+
+# --- seeded sampled requests: CPU generators cannot rewind ------------------------------------
+
+
+def test_tolerant_generator_draws_like_torchs_and_undoes_a_discarded_draw():
+    gen_cls = vllm_fixes.offset_tolerant_generator_class()
+    ours, plain = gen_cls(device="cpu"), torch.Generator(device="cpu")
+    ours.manual_seed(7), plain.manual_seed(7)
+    assert torch.equal(torch.rand(5, generator=ours), torch.rand(5, generator=plain))
+    ours.checkpoint()  # the patched runner, just before a sampling step
+    discarded = torch.empty(6).exponential_(generator=ours)
+    ours.set_offset(ours.get_offset() - 4)  # vLLM throws that token away and rewinds
+    assert torch.equal(torch.empty(6).exponential_(generator=ours), discarded)  # as if never drawn
+    assert torch.equal(discarded, torch.empty(6).exponential_(generator=plain))
+    assert isinstance(ours, torch.Generator)
+    # The bug itself, so that this fix is dropped when torch gives CPU generators offsets.
+    with pytest.raises(RuntimeError, match="does not use offset"):
+        plain.set_offset(plain.get_offset() - 4)
+
+
+_RUNNER_CHECK = """
+import torch
+from vllm.v1.worker import gpu_model_runner as m
+g = m.torch.Generator(device="cpu")
+g.manual_seed(1)
+g.set_offset(g.get_offset() - 4)
+print("RUNNER", m.torch.zeros is torch.zeros, isinstance(g, torch.Generator), m.torch.Tensor is torch.Tensor,
+      m.GPUModelRunner._sample.__wrapped__ is not None)
+"""
+
+
+def test_servers_we_start_give_the_model_runner_tolerant_generators():
+    pytest.importorskip("vllm")
+    env = {**os.environ, "PYTHONPATH": str(vllm_fixes.SITE_DIR)}
+    out = subprocess.run([sys.executable, "-c", _RUNNER_CHECK], env=env, capture_output=True, text=True,
+                         timeout=300)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RUNNER")), None)
+    assert line == "RUNNER True True True True", out.stderr[-3000:]
+    assert "cartspec: CPU-tolerant generators" in out.stderr

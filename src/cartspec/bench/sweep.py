@@ -181,12 +181,16 @@ class VllmDeployment:
                               spec=info.spec, url=info.url, versions=info.versions, log_path=info.log_path)
 
     def died_reason(self) -> str:
-        from ..serving.server import tail
+        from ..serving.server import read_log, root_cause
 
         code = self.server.proc.returncode if self.server.proc else None
-        log = tail(self.server.log_path, 200)
-        telling = [ln for ln in log.splitlines() if any(k in ln.lower() for k in ("error", "killed", "memory"))]
-        return f"vLLM server died (exit code {code}): {(telling[-1] if telling else 'no error line in log').strip()[-300:]}"
+        log = read_log(self.server.log_path)
+        cause = root_cause(log)
+        if cause is None:
+            telling = [ln for ln in log.splitlines()[-200:]
+                       if any(k in ln.lower() for k in ("error", "killed", "memory"))]
+            cause = (telling[-1] if telling else "no error line in log").strip()[-300:]
+        return f"vLLM server died (exit code {code}): {cause} (log: {self.server.log_path})"
 
 
 @contextlib.contextmanager

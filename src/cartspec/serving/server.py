@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -87,6 +88,35 @@ def free_port() -> int:
 def tail(path: Path, n: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+_EXCEPTION_LINE = re.compile(r"\b((?:[a-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (.+)$")
+# What every request in flight reports after the engine core died: never the cause.
+_CONSEQUENCES = ("EngineDeadError", "EngineCore encountered an issue", "EngineGenerateError")
+
+
+def root_cause(log: str) -> str | None:
+    """The first exception a server logged that is not a consequence of an earlier one.
+
+    When vLLM's engine core dies, the worker's ``RuntimeError: ...`` comes first and is then
+    buried under one ``EngineDeadError`` per request in flight (thousands of lines at c=32)."""
+    for line in log.splitlines():
+        if any(f" {level} " in line for level in ("WARNING", "INFO", "DEBUG")):
+            continue
+        m = _EXCEPTION_LINE.search(line)
+        if m and not any(c in line for c in _CONSEQUENCES):
+            return f"{m.group(1)}: {m.group(2).strip()}"[:400]
+    return None
+
+
+def read_log(path: Path, max_bytes: int = 8 << 20) -> str:
+    """The last ``max_bytes`` of a log, or "" if there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - max_bytes))
+            return f.read().decode(errors="replace")
     except OSError:
         return ""
 

@@ -18,18 +18,36 @@ fix proposed in vllm-project/vllm#55006. Drop this module once the pinned vLLM h
 (``test_vllm_fixes.py`` fails when the original kernel stops being broken).
 
 The fix swaps in an exact pure-torch ``expand`` that writes into the caller's
-tensor. It is applied by an import hook (``vllm_site/sitecustomize.py``), so it
-reaches the API server and the engine-core process, however they are started.
+tensor.
+
+vllm 0.32.0 on CPU: a seeded sampled request can kill the engine
+-----------------------------------------------------------------
+A request with a ``seed`` gets its own ``torch.Generator``. When the runner
+throws away a token it sampled for a request (a prompt prefilled in chunks
+under load), ``GPUModelRunner._bookkeeping_sync`` rewinds that generator with
+``gen.set_offset(gen.get_offset() - 4)``: CUDA's Philox has offsets, the CPU
+Mersenne Twister does not, and torch raises ``RuntimeError: CPU Generator does
+not use offset``. The engine core dies with every request in flight (study
+``paper`` preset, c=32, T=0.5, session 3). The fix gives that module a
+``torch.Generator`` subclass that saves its state before each sampling step
+and, on CPU, restores it where CUDA would rewind the offset: the same draws as
+the plain generator, and the discarded one is undone, as on a GPU.
+
+Both fixes are applied by an import hook (``vllm_site/sitecustomize.py``), so
+they reach the API server and the engine-core process, however they are started.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import sys
+import types
 from pathlib import Path
 
 TARGET_MODULE = "vllm.utils.cpu_triton_utils"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 # Directory holding the sitecustomize.py that calls install(); VllmServer puts it on PYTHONPATH.
 SITE_DIR = Path(__file__).with_name("vllm_site")
 
@@ -65,21 +83,90 @@ def patch_module(mod) -> bool:
     return True
 
 
+@functools.cache
+def offset_tolerant_generator_class():
+    """``torch.Generator`` that can undo a step's draws on CPU, where torch has no offsets.
+
+    ``checkpoint()`` saves the state (the patched runner calls it just before each sampling step);
+    ``set_offset`` on CPU restores it. vLLM only rewinds to undo the one draw of the step it is in,
+    which is what CUDA's ``offset - 4`` does, so seeded replies stay reproducible however the
+    prompt was chunked or cached."""
+    import torch
+
+    class OffsetTolerantGenerator(torch.Generator):
+        _saved = None
+
+        def checkpoint(self) -> None:
+            if self.device.type == "cpu":
+                self._saved = self.get_state()
+
+        def get_offset(self) -> int:
+            return 0 if self.device.type == "cpu" else super().get_offset()
+
+        def set_offset(self, offset: int):
+            if self.device.type != "cpu":
+                super().set_offset(offset)
+            elif self._saved is not None:
+                self.set_state(self._saved)
+            return self
+
+    return OffsetTolerantGenerator
+
+
+class _TorchWithTolerantGenerator(types.ModuleType):
+    """Stands in for ``torch`` in one module: the same names, but ``Generator`` is the tolerant one."""
+
+    def __init__(self, torch_module, generator_cls):
+        super().__init__("torch")
+        self.__dict__["_torch"] = torch_module
+        self.__dict__["Generator"] = generator_cls
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+def patch_runner(mod) -> bool:
+    """Give the model runner generators that can undo a discarded draw on CPU, and checkpoint them
+    before each sampling step."""
+    if getattr(mod, "_cartspec_patched", False) or not hasattr(mod, "GPUModelRunner"):
+        return False
+    gen_cls = offset_tolerant_generator_class()
+    mod.torch = _TorchWithTolerantGenerator(mod.torch, gen_cls)
+    runner = mod.GPUModelRunner
+    original_sample = runner._sample
+
+    @functools.wraps(original_sample)
+    def _sample(self, *args, **kwargs):
+        for gen in self.input_batch.generators.values():
+            if isinstance(gen, gen_cls):
+                gen.checkpoint()
+        return original_sample(self, *args, **kwargs)
+
+    runner._sample = _sample
+    mod._cartspec_patched = True
+    print(f"cartspec: CPU-tolerant generators in {mod.__name__} (vllm_fixes.py)", file=sys.stderr)
+    return True
+
+
+PATCHES = {TARGET_MODULE: patch_module, RUNNER_MODULE: patch_runner}
+
+
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, inner):
+    def __init__(self, inner, patch):
         self.inner = inner
+        self.patch = patch
 
     def create_module(self, spec):
         return self.inner.create_module(spec)
 
     def exec_module(self, module):
         self.inner.exec_module(module)
-        patch_module(module)
+        self.patch(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET_MODULE:
+        if fullname not in PATCHES:
             return None
         sys.meta_path.remove(self)  # find the real spec with the remaining finders
         try:
@@ -88,14 +175,15 @@ class _Finder(importlib.abc.MetaPathFinder):
             sys.meta_path.insert(0, self)
         if spec is None or spec.loader is None:
             return None
-        spec.loader = _PatchingLoader(spec.loader)
+        spec.loader = _PatchingLoader(spec.loader, PATCHES[fullname])
         return spec
 
 
 def install() -> None:
-    """Patch now if vLLM's module is loaded, else when it is first imported."""
-    if TARGET_MODULE in sys.modules:
-        patch_module(sys.modules[TARGET_MODULE])
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+    """Patch vLLM's modules now if loaded, else when they are first imported."""
+    for name, patch in PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+    if not all(name in sys.modules for name in PATCHES) and not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
