@@ -138,3 +138,20 @@ def test_adapter_cache_key_is_its_weights_not_its_notes(tmp_path):
     assert adapter_digest(tmp_path) == key
     (tmp_path / "adapter_model.safetensors").write_bytes(b"other weights")
     assert adapter_digest(tmp_path) != key
+
+
+def test_neftune_noise_is_scaled_and_only_in_training():
+    from cartspec.model.lora import add_neftune
+
+    emb = torch.nn.Embedding(50, 16)
+    ids = torch.randint(0, 50, (2, 9))
+    clean = emb(ids)
+    handle = add_neftune(emb, alpha=5.0)
+    emb.train()
+    noise = emb(ids) - clean
+    bound = 5.0 / (9 * 16) ** 0.5
+    assert noise.abs().max() <= bound + 1e-6 and noise.abs().max() > bound / 2
+    assert not torch.equal(emb(ids), emb(ids))  # fresh noise every forward
+    emb.eval()
+    assert torch.equal(emb(ids), clean)  # serving and evaluation see clean embeddings
+    handle.remove()

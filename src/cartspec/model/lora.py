@@ -35,6 +35,7 @@ class LoraConfig:
     max_len: int = 384
     seed: int = 0
     save_every: int = 25
+    neftune_alpha: float = 0.0  # NEFTune: uniform noise on the input embeddings while training (0: off)
     target_modules: list[str] = field(default_factory=lambda: list(TARGET_MODULES))
 
 
@@ -97,6 +98,20 @@ def reply_loss(model, ids, mask, labels):
     return F.cross_entropy(logits, target[keep])
 
 
+def add_neftune(embedding, alpha: float):
+    """NEFTune (Jain et al., 2023): in training mode, add U(-1, 1) * alpha / sqrt(seq_len * dim) noise
+    to the token embeddings. Returns the hook handle."""
+    import torch
+
+    def hook(module, inputs, output):
+        if not module.training:
+            return output
+        scale = alpha / math.sqrt(output.size(-2) * output.size(-1))
+        return output + torch.empty_like(output).uniform_(-scale, scale)
+
+    return embedding.register_forward_hook(hook)
+
+
 def train_lora(base_dir: Path, train: list[Request], out_dir: Path, cfg: LoraConfig | None = None,
                progress: bool = True) -> Path:
     """Train an adapter into ``out_dir`` (resuming from ``out_dir/checkpoint``); return ``out_dir``."""
@@ -122,6 +137,8 @@ def train_lora(base_dir: Path, train: list[Request], out_dir: Path, cfg: LoraCon
     for p in model.parameters():
         if p.requires_grad:
             p.data = p.data.float()
+    if cfg.neftune_alpha > 0:
+        add_neftune(model.get_base_model().get_input_embeddings(), cfg.neftune_alpha)
     examples = [encode(tokenizer, r, cfg.max_len) for r in train]
     n_steps = max(1, math.ceil(len(examples) * cfg.epochs / cfg.batch_size))
     batches = _batches(examples, cfg, n_steps)

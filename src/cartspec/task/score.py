@@ -48,6 +48,12 @@ class ItemScore:
     fields: dict[str, bool] = field(default_factory=dict)
     pred: dict[str, Any] | None = None
     error: str | None = None
+    gold: dict[str, Any] | None = None
+
+    def wrong(self) -> dict[str, dict[str, Any]]:
+        """Each wrong field with what gold says and what the reply said (None: not set)."""
+        return {k: {"gold": (self.gold or {}).get(k), "got": (self.pred or {}).get(k)}
+                for k, ok in self.fields.items() if not ok}
 
 
 def score_item(req: Request, reply: str) -> ItemScore:
@@ -61,7 +67,7 @@ def score_item(req: Request, reply: str) -> ItemScore:
         exact = pred is not None and all(fields.values())
     return ItemScore(id=req.id, task=req.task, json_valid=reading.parsed.json_valid,
                      schema_valid=reading.schema_valid, exact=exact, fields=fields, pred=pred,
-                     error=reading.parsed.error)
+                     error=reading.parsed.error, gold=gold if req.gold is not None else None)
 
 
 def aggregate(items: list[ItemScore], requests: list[Request] | None = None) -> dict[str, Any]:
