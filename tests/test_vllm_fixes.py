@@ -56,15 +56,20 @@ print("TEMPS", *[round(x, 4) for x in got.tolist()])
 """
 
 
-def test_servers_we_start_sample_with_the_right_temperatures():
+def _run_like_our_servers(code: str, tag: str) -> tuple[str | None, str]:
+    """Run ``code`` in a fresh interpreter with the shim on PYTHONPATH, as VllmServer starts vLLM;
+    return its output line starting with ``tag`` and its stderr."""
     pytest.importorskip("vllm")
     env = {**os.environ, "PYTHONPATH": str(vllm_fixes.SITE_DIR)}
-    out = subprocess.run([sys.executable, "-c", _SAMPLER_CHECK], env=env, capture_output=True, text=True,
-                         timeout=300)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("TEMPS")), None)
-    assert line is not None, out.stderr[-3000:]
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    return next((x for x in out.stdout.splitlines() if x.startswith(tag)), None), out.stderr
+
+
+def test_servers_we_start_sample_with_the_right_temperatures():
+    line, stderr = _run_like_our_servers(_SAMPLER_CHECK, "TEMPS")
+    assert line is not None, stderr[-3000:]
     assert [float(x) for x in line.split()[1:]] == pytest.approx([0.5, 0.5, 0.5, 1, 1, 1, 0.7, 0.7])
-    assert "cartspec: replaced" in out.stderr
+    assert "cartspec: replaced" in stderr
 
 
 def test_the_shim_still_runs_a_sitecustomize_it_shadows(tmp_path):
@@ -108,10 +113,6 @@ print("RUNNER", m.torch.zeros is torch.zeros, isinstance(g, torch.Generator), m.
 
 
 def test_servers_we_start_give_the_model_runner_tolerant_generators():
-    pytest.importorskip("vllm")
-    env = {**os.environ, "PYTHONPATH": str(vllm_fixes.SITE_DIR)}
-    out = subprocess.run([sys.executable, "-c", _RUNNER_CHECK], env=env, capture_output=True, text=True,
-                         timeout=300)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RUNNER")), None)
-    assert line == "RUNNER True True True True", out.stderr[-3000:]
-    assert "cartspec: CPU-tolerant generators" in out.stderr
+    line, stderr = _run_like_our_servers(_RUNNER_CHECK, "RUNNER")
+    assert line == "RUNNER True True True True", stderr[-3000:]
+    assert "cartspec: CPU-tolerant generators" in stderr
