@@ -130,6 +130,12 @@ def patch_runner(mod) -> bool:
     before each sampling step."""
     if getattr(mod, "_cartspec_patched", False) or not hasattr(mod, "GPUModelRunner"):
         return False
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    if current_platform.device_type != "cpu":  # CUDA generators have offsets: nothing to fix
+        return False
     gen_cls = offset_tolerant_generator_class()
     mod.torch = _TorchWithTolerantGenerator(mod.torch, gen_cls)
     runner = mod.GPUModelRunner
