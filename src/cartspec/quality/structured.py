@@ -46,12 +46,12 @@ def score_replies(reqs: list[Request], replies: list[Any]) -> tuple[dict[str, An
         text = rep.text if not isinstance(rep, Exception) else ""
         item = score_item(req, text)
         items.append(item)
+        wrong = item.wrong()  # for error analysis without re-deriving gold: jq 'select(.wrong.price_min)'
         rows.append({"id": req.id, "task": req.task, "query": req.query, "reply": text,
                      "error": str(rep) if isinstance(rep, Exception) else item.error,
                      "json_valid": item.json_valid, "schema_valid": item.schema_valid,
-                     "exact": item.exact, "wrong_fields": [k for k, ok in item.fields.items() if not ok],
-                     # for error analysis without re-deriving gold: jq 'select(.wrong.price_min)'
-                     "wrong": item.wrong(), "unseen": req.meta.get("unseen")})
+                     "exact": item.exact, "wrong_fields": list(wrong), "wrong": wrong,
+                     "unseen": req.meta.get("unseen")})
     summary = aggregate(items, reqs)
     summary["n_request_errors"] = sum(isinstance(r, Exception) for r in replies)
     return summary, rows

@@ -85,11 +85,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
 
 
 _EXCEPTION_LINE = re.compile(r"\b((?:[a-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (.+)$")
@@ -119,6 +114,10 @@ def read_log(path: Path, max_bytes: int = 8 << 20) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def tail(path: Path, n: int = 40) -> str:
+    return "\n".join(read_log(path).splitlines()[-n:])
 
 
 def _reason(log: str) -> str:

@@ -29,9 +29,9 @@ under load), ``GPUModelRunner._bookkeeping_sync`` rewinds that generator with
 Mersenne Twister does not, and torch raises ``RuntimeError: CPU Generator does
 not use offset``. The engine core dies with every request in flight (study
 ``paper`` preset, c=32, T=0.5, session 3). The fix gives that module a
-``torch.Generator`` subclass that saves its state before each sampling step
-and, on CPU, restores it where CUDA would rewind the offset: the same draws as
-the plain generator, and the discarded one is undone, as on a GPU.
+``torch.Generator`` subclass that saves its state before a sampling step whose
+token will be discarded and restores it where CUDA would rewind the offset: the
+same draws as the plain generator, and the discarded one is undone, as on a GPU.
 
 Both fixes are applied by an import hook (``vllm_site/sitecustomize.py``), so
 they reach the API server and the engine-core process, however they are started.
@@ -85,28 +85,25 @@ def patch_module(mod) -> bool:
 
 @functools.cache
 def offset_tolerant_generator_class():
-    """``torch.Generator`` that can undo a step's draws on CPU, where torch has no offsets.
+    """CPU ``torch.Generator`` that can undo a step's draws, though CPU generators have no offsets.
 
-    ``checkpoint()`` saves the state (the patched runner calls it just before each sampling step);
-    ``set_offset`` on CPU restores it. vLLM only rewinds to undo the one draw of the step it is in,
-    which is what CUDA's ``offset - 4`` does, so seeded replies stay reproducible however the
-    prompt was chunked or cached."""
+    ``checkpoint()`` saves the state (the patched runner calls it just before a sampling step whose
+    token it will discard); ``set_offset`` restores it. vLLM only rewinds to undo the one draw of the
+    step it is in, which is what CUDA's ``offset - 4`` does, so seeded replies stay reproducible
+    however the prompt was chunked or cached. Only installed on the CPU platform."""
     import torch
 
     class OffsetTolerantGenerator(torch.Generator):
         _saved = None
 
         def checkpoint(self) -> None:
-            if self.device.type == "cpu":
-                self._saved = self.get_state()
+            self._saved = self.get_state()
 
         def get_offset(self) -> int:
-            return 0 if self.device.type == "cpu" else super().get_offset()
+            return 0
 
         def set_offset(self, offset: int):
-            if self.device.type != "cpu":
-                super().set_offset(offset)
-            elif self._saved is not None:
+            if self._saved is not None:
                 self.set_state(self._saved)
             return self
 
@@ -126,8 +123,8 @@ class _TorchWithTolerantGenerator(types.ModuleType):
 
 
 def patch_runner(mod) -> bool:
-    """Give the model runner generators that can undo a discarded draw on CPU, and checkpoint them
-    before each sampling step."""
+    """Give the model runner generators that can undo a discarded draw on CPU, and checkpoint the
+    ones it will discard before each sampling step."""
     if getattr(mod, "_cartspec_patched", False) or not hasattr(mod, "GPUModelRunner"):
         return False
     try:
@@ -143,8 +140,11 @@ def patch_runner(mod) -> bool:
 
     @functools.wraps(original_sample)
     def _sample(self, *args, **kwargs):
-        for gen in self.input_batch.generators.values():
-            if isinstance(gen, gen_cls):
+        # Only the requests whose token this step throws away get rewound (_bookkeeping_sync);
+        # the mask is set when the step's inputs are prepared, before sampling.
+        discard = self.discard_request_mask.np
+        for i, gen in self.input_batch.generators.items():
+            if discard[i] and isinstance(gen, gen_cls):
                 gen.checkpoint()
         return original_sample(self, *args, **kwargs)
 
