@@ -619,77 +619,21 @@ def unseen(families: list[str], gold: dict[str, Any]) -> str:
             (True, True): "both"}[(phrasing, value)]
 
 
-# Share of draws in the train split that add a contrast pair instead of one request (~12% of the
-# split's requests). See contrast_pair.
-CONTRAST_PAIR_RATE = 0.065
-
-
-def contrast_pair(rng: random.Random) -> list[tuple[str, SearchParams]]:
-    """Two short training requests that differ only in a direction phrase, with opposite gold:
-    a price floor vs a ceiling ("shoes over 50 dollars" / "shoes under 50 dollars"), or cheapest
-    vs priciest first. A third of them also carry a rating phrase ("over 4 stars"), so the
-    direction is read from the words next to the amount, not from any "over" in the request.
-
-    Why: trained on full requests only, the model never learnt the cue; it wrote the direction
-    its training prior favoured, for "over" and "under" alike, even on its own training requests.
-    In full requests the cue is ambiguous ("over 4 stars", "not under $15"); short pairs isolate
-    it. Seen phrasings only: held-out ones stay held out.
-    """
-    category = rng.choice(list(PRODUCTS))
-    product = PRODUCTS[category].pick(rng, "train")
-    base: dict[str, Any] = {"intent": "search", "keywords": product, "category": category}
-    extra: list[str] = []
-    if rng.random() < 0.33:
-        r = rng.choice([3, 3.5, 4, 4.5])
-        base["min_rating"] = float(r)
-        extra.append(rng.choice(RATING.seen).format(r=f"{r:g}"))
-    if rng.random() < 0.7:
-        cur = rng.choices(list(CURRENCY_WEIGHTS), weights=list(CURRENCY_WEIGHTS.values()))[0]
-        amount = _price_amount(rng, cur)
-        money = _money(rng, "train", amount, cur, [])
-        sides = [({"price_max": amount, "currency": cur}, rng.choice(PRICE_MAX.seen).format(p=money)),
-                 ({"price_min": amount, "currency": cur}, rng.choice(PRICE_MIN.seen).format(p=money))]
-    else:
-        sides = [({"sort": s}, rng.choice(SORTS[s][0])) for s in ("price_asc", "price_desc")]
-    opener, sep, rating_first = rng.choice(OPENERS.seen), rng.choice([" ", ", "]), rng.random() < 0.5
-    out = []
-    for fields, phrase in sides:
-        tail = extra + [phrase] if rating_first else [phrase] + extra
-        out.append((opener + sep.join([product] + tail), SearchParams(**base, **fields)))
-    return out
-
-
 def generate(split: Split, n: int, seed: int | None = None) -> list[Request]:
-    """``n`` requests for a split; the same (split, n, seed) always gives the same list.
-
-    The train split also has contrast pairs (``contrast_pair``), drawn from a stream of their
-    own: the other requests, and the dev and test splits, are those of a generator without them.
-    """
+    """``n`` requests for a split; the same (split, n, seed) always gives the same list."""
     gen = Generator(split, seed)
-    pair_rng = random.Random(SPLIT_SEEDS[split] * 7_919 + (seed or 0)) if split == "train" else None
     out: list[Request] = []
     seen_queries: set[tuple] = set()
     idx = 0
-
-    def add(req: Request) -> None:
+    while len(out) < n:
+        req = gen.request(idx)
+        idx += 1
         key = (req.query, tuple(t.content for t in req.history))
-        if key in seen_queries or len(out) >= n:
-            return
+        if key in seen_queries:
+            continue
         seen_queries.add(key)
         req.id = f"{split}-{len(out):05d}"
         out.append(req)
-
-    while len(out) < n:
-        if pair_rng is not None and pair_rng.random() < CONTRAST_PAIR_RATE:
-            pair = contrast_pair(pair_rng)
-            if len(out) + 2 <= n and not any((q, ()) in seen_queries for q, _ in pair):  # both or neither
-                for query, gold in pair:
-                    add(Request(id="", query=query, task="search", gold=canonical_dict(gold),
-                                meta={"kind": "contrast", "families": ["contrast"], "unseen": "none"}))
-            continue
-        req = gen.request(idx)
-        idx += 1
-        add(req)
     return out
 
 
