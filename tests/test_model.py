@@ -155,3 +155,22 @@ def test_neftune_noise_is_scaled_and_only_in_training():
     emb.eval()
     assert torch.equal(emb(ids), clean)  # serving and evaluation see clean embeddings
     handle.remove()
+
+
+def test_direction_probe_runs_on_a_model_directory(tiny_llama_dir):
+    """scripts/direction_probe.py (README, "The model") keeps working as the model code changes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "scripts" / "direction_probe.py"
+    run = subprocess.run([sys.executable, str(script), "--model", str(tiny_llama_dir), "--split", "dev",
+                          "--limit", "40"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout)
+    assert len(out["pairs"]) == 6
+    assert all(0 <= p[k] <= 1 for p in out["pairs"] for k in ("p_min_floor", "p_min_ceiling"))
+    seen = out["first_price_key"]
+    assert seen["floor"]["n"] > 0 and seen["ceiling"]["n"] > 0  # dev has both directions in 40 requests
+    assert all(0 <= v["right"] <= 1 for v in seen.values())
