@@ -174,3 +174,14 @@ def test_direction_probe_runs_on_a_model_directory(tiny_llama_dir):
     seen = out["first_price_key"]
     assert seen["floor"]["n"] > 0 and seen["ceiling"]["n"] > 0  # dev has both directions in 40 requests
     assert all(0 <= v["right"] <= 1 for v in seen.values())
+
+
+def test_lora_training_reports_progress_in_a_log_file(tiny_llama_dir, tmp_path, capsys):
+    """A build sent to a log file (nohup, CI) gets a line per checkpoint; rich draws no bar there."""
+    cfg = LoraConfig(r=4, alpha=8, batch_size=4, save_every=2, warmup_steps=1, lr=1e-3)
+    train_lora(tiny_llama_dir, generate("train", 24), tmp_path / "a", cfg, progress=True)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("LoRA step")]
+    assert [ln.split()[2] for ln in lines] == ["2/6", "4/6", "6/6"]
+    assert "tok/s" in lines[0] and "min left" in lines[0]
+    train_lora(tiny_llama_dir, generate("train", 24), tmp_path / "b", cfg, progress=False)
+    assert "LoRA step" not in capsys.readouterr().out

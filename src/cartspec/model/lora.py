@@ -119,6 +119,7 @@ def train_lora(base_dir: Path, train: list[Request], out_dir: Path, cfg: LoraCon
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model, set_peft_model_state_dict
     from peft.utils import get_peft_model_state_dict
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -176,9 +177,12 @@ def train_lora(base_dir: Path, train: list[Request], out_dir: Path, cfg: LoraCon
     model.train()
     autocast = torch.autocast(device_type=device, dtype=torch.bfloat16)
     t0, tokens = time.time(), 0
+    # Not a terminal (a log file, nohup, CI): rich shows no live bar, so print a line per checkpoint.
+    console = Console()
+    plain = progress and not console.is_terminal
     with Progress(TextColumn("[bold]LoRA[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                   TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:.0f} tok/s"),
-                  TimeRemainingColumn(), disable=not progress) as bar:
+                  TimeRemainingColumn(), console=console, disable=not progress or plain) as bar:
         task = bar.add_task("train", total=n_steps, completed=start, loss=float("nan"), tps=0.0)
         for step in range(start, n_steps):
             ids, labels, mask = (t.to(device) for t in _collate(examples, batches[step], tokenizer.pad_token_id))
@@ -195,6 +199,11 @@ def train_lora(base_dir: Path, train: list[Request], out_dir: Path, cfg: LoraCon
             bar.update(task, advance=1, loss=loss.item(), tps=tokens / (time.time() - t0))
             if (step + 1) % cfg.save_every == 0 or step + 1 == n_steps:
                 save(step + 1)
+                if plain:
+                    tps = tokens / (time.time() - t0)
+                    left = (n_steps - step - 1) * (time.time() - t0) / (step + 1 - start)
+                    print(f"LoRA step {step + 1}/{n_steps} loss {loss.item():.4f} {tps:.0f} tok/s, "
+                          f"~{left / 60:.0f} min left (checkpoint saved)", flush=True)
 
     model.save_pretrained(out_dir)  # adapter_config.json + adapter_model.safetensors
     # Ship the adapter in bf16 (half the bytes; the merge happens in fp32 and the served model is bf16).
