@@ -200,9 +200,9 @@ def train_lora(base_dir: Path, train: list[Request], out_dir: Path, cfg: LoraCon
             if (step + 1) % cfg.save_every == 0 or step + 1 == n_steps:
                 save(step + 1)
                 if plain:
-                    tps = tokens / (time.time() - t0)
-                    left = (n_steps - step - 1) * (time.time() - t0) / (step + 1 - start)
-                    print(f"LoRA step {step + 1}/{n_steps} loss {loss.item():.4f} {tps:.0f} tok/s, "
+                    elapsed = time.time() - t0
+                    left = (n_steps - step - 1) * elapsed / (step + 1 - start)
+                    print(f"LoRA step {step + 1}/{n_steps} loss {loss.item():.4f} {tokens / elapsed:.0f} tok/s, "
                           f"~{left / 60:.0f} min left (checkpoint saved)", flush=True)
 
     model.save_pretrained(out_dir)  # adapter_config.json + adapter_model.safetensors

@@ -85,8 +85,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
-
 _EXCEPTION_LINE = re.compile(r"\b((?:[a-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)): (.+)$")
 # What every request in flight reports after the engine core died: never the cause.
 _CONSEQUENCES = ("EngineDeadError", "EngineCore encountered an issue", "EngineGenerateError")
