@@ -83,6 +83,7 @@ def eval_model(
     served_name: str = typer.Option("cartspec", help="model name on --server"),
     structured: bool = typer.Option(False, help="constrain replies with vLLM structured outputs"),
     concurrency: int = 16, max_tokens: int = 160, limit: Optional[int] = None,
+    dtype: str = typer.Option("auto", help="serving dtype: auto (float32 on a CPU without native bf16, else bfloat16) | bfloat16 | float32 | float16"),
 ) -> None:
     """Serve a model with vLLM and score it on a request set (temperature 0)."""
     from .quality.structured import evaluate_model
@@ -91,7 +92,7 @@ def eval_model(
     try:
         summary = evaluate_model(model=model, data=data, out=out, server=server, served_name=served_name,
                                  structured=structured, concurrency=concurrency, max_tokens=max_tokens,
-                                 limit=limit)
+                                 limit=limit, dtype=dtype)
     except (DataFileError, DeploymentError, FileNotFoundError) as exc:
         fail(str(exc))
     keys = ("n", "json_valid", "schema_valid", "field_accuracy", "exact_match")

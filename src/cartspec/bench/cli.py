@@ -77,14 +77,19 @@ def _ints(text: Optional[str]) -> list[int] | None:
 
 
 def study(
-    preset: str = typer.Option("quick", help="quick (minutes on CPU) | paper (the published study's grid)"),
+    preset: str = typer.Option("quick", help="quick (minutes on CPU) | paper (the published study's grid) | "
+                                             "calibrate (what `cartspec tune` needs, minutes)"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/study-PRESET); rerun to resume"),
     model: str = typer.Option("commerce", help="target model: commerce | base | PATH to an HF directory"),
     server: Optional[str] = typer.Option(None, help="measure this running OpenAI-compatible endpoint instead"),
     served_name: Optional[str] = typer.Option(None, help="model name on --server (default: its first model)"),
     deployments: Optional[str] = typer.Option(
-        None, help="comma list replacing the preset's: baseline, ngram:3, eagle3:domain:3, eagle3:PATH:5 "
+        None, help="comma list replacing the preset's: baseline, ngram:3, eagle3:domain:3, eagle3:PATH:5, "
+                   "eagle3:domain:auto (γ per batch size tuned for this machine) "
                    "(with --server: what that endpoint runs, for labels)"),
+    spec_files: Optional[str] = typer.Option(
+        None, "--spec", help="comma list of DeploymentSpec files (YAML/TOML/JSON, e.g. from `cartspec tune`), "
+                             "measured after the preset's or --deployments' deployments"),
     concurrency: Optional[str] = typer.Option(None, help="comma list, e.g. 1,2,4,8"),
     rates: Optional[str] = typer.Option(None, help="open loop instead: Poisson arrival rates in req/s, e.g. 0.5,1,2"),
     temperatures: Optional[str] = typer.Option(None, help="comma list, e.g. 0,0.5"),
@@ -95,6 +100,8 @@ def study(
     max_tokens: Optional[int] = typer.Option(None, help="max output tokens per request"),
     structured: bool = typer.Option(False, help="constrain replies to the task's JSON schema (vLLM structured outputs)"),
     enforce_eager: bool = typer.Option(False, help="start vLLM without torch.compile (faster start, slower decode)"),
+    dtype: str = typer.Option("auto", help="serving dtype of every deployment: auto (float32 on a CPU without "
+                                           "native bf16, else bfloat16) | bfloat16 | float32 | float16"),
     slo: float = typer.Option(2.0, help="E2EL SLO in seconds for goodput and capacity"),
     seed: int = typer.Option(0, help="at T > 0 each request carries a seed derived from this (paired runs); "
                                      "-1: send none, as production clients do"),
@@ -116,6 +123,12 @@ def study(
         except ValueError as exc:
             console.print(f"[bold red]error:[/] {exc}")
             raise typer.Exit(2)
+    if spec_files:
+        try:
+            plan.deployments += [DeploymentSpec.load(f.strip()) for f in spec_files.split(",") if f.strip()]
+        except (OSError, ValueError) as exc:
+            console.print(f"[bold red]error:[/] --spec: {exc}")
+            raise typer.Exit(2)
     if server:
         # An endpoint we do not start: --deployments (one) only says what it runs, for labels.
         if deployments and len(plan.deployments) != 1:
@@ -125,6 +138,10 @@ def study(
         plan.deployments = plan.deployments if deployments else [DeploymentSpec(model=served_name or "server")]
     if enforce_eager:
         plan.deployments = [d.model_copy(update={"enforce_eager": True}) for d in plan.deployments]
+    if not server:  # an endpoint we do not start runs whatever dtype it runs
+        # an explicit --dtype wins; otherwise a spec file's own dtype does, and "auto" is picked here
+        plan.deployments = [(d.model_copy(update={"dtype": dtype}) if dtype != "auto" else d).resolved()
+                            for d in plan.deployments]
     plan.concurrencies = _ints(concurrency) or plan.concurrencies
     plan.rates = _floats(rates) or plan.rates
     plan.temperatures = _floats(temperatures) or plan.temperatures
@@ -138,6 +155,11 @@ def study(
     plan.seed = seed
     out = out or Path("runs") / f"study-{preset}"
     n_points = len(plan.all_points())
+    if not server:
+        from ..serving.engine import auto_dtype, hardware
+
+        why = f" (auto: {auto_dtype()[1]})" if dtype == "auto" else " (--dtype)"
+        console.print(f"machine: {hardware()}; dtype {', '.join(sorted({d.dtype for d in plan.deployments}))}{why}")
     console.print(f"[bold]cartspec study[/] preset={plan.name}: {len(plan.deployments)} deployments "
                   f"({', '.join(d.label for d in plan.deployments)}) × {n_points // max(len(plan.deployments), 1)} "
                   f"points each -> {out}")

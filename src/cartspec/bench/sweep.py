@@ -18,110 +18,12 @@ from typing import Any, Callable, Iterator, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..serving.spec import DeploymentSpec, Speculative
+from ..serving.spec import DeploymentSpec
+from .plan import (SweepPlan, baseline, head_available, parse_deployment, preset,  # noqa: F401 (re-exported)
+                   spec_deployment)
 from .loadgen import ChatRequest, LoadConfig, chat_requests, run_load
 from .results import (DeploymentInfo, Machine, PointConfig, PointResult, append_result, finished_keys,
                       load_results, now_iso)
-
-# --- the plan ---------------------------------------------------------------
-
-
-class SweepPlan(BaseModel):
-    """A grid of points; serialised into ``run.json`` beside the results."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = "custom"
-    deployments: list[DeploymentSpec]
-    concurrencies: list[int] = Field(default_factory=lambda: [1, 8])
-    rates: list[float] = Field(default_factory=list, description="open-loop arrival rates (req/s); empty: closed loop")
-    temperatures: list[float] = Field(default_factory=lambda: [0.0])
-    request_sets: list[str] = Field(default_factory=lambda: ["commerce"])
-    n_requests: int | None = Field(None, description="measured requests per point; None: per-load rule below")
-    requests_per_stream: int = 4
-    min_requests: int = 16
-    duration_s: float | None = None
-    warmup: int | None = Field(None, description="warm-up requests per point; None: min(concurrency, 8)")
-    max_tokens: int = 128
-    structured: bool = False
-    seed: int = 0
-    slo_e2el_s: float = 2.0
-    server_url: str | None = Field(None, description="measure this running endpoint instead of starting vLLM")
-    served_name: str | None = None
-
-    def points(self, deployment: DeploymentSpec, label: str | None = None) -> list[PointConfig]:
-        sp = deployment.speculative
-        common = dict(deployment=label or deployment.label, method=sp.method, gamma=sp.num_speculative_tokens,
-                      head=sp.model if sp.method == "eagle3" else None,
-                      spec=deployment.model_dump(mode="json"), max_tokens=self.max_tokens,
-                      structured=self.structured, seed=self.seed, slo_e2el_s=self.slo_e2el_s,
-                      duration_s=self.duration_s)
-        loads: list[dict[str, Any]] = ([dict(mode="open", rate=r, concurrency=None) for r in self.rates]
-                                       if self.rates else [dict(mode="closed", concurrency=c) for c in self.concurrencies])
-        out = []
-        for rs in self.request_sets:
-            for temp in self.temperatures:
-                for load in loads:
-                    width = load["concurrency"] or max(1, round(load["rate"]))
-                    n = self.n_requests or max(self.min_requests, self.requests_per_stream * width)
-                    warm = self.warmup if self.warmup is not None else min(width, 8)
-                    out.append(PointConfig(request_set=rs, temperature=temp, n_requests=n, warmup=warm,
-                                           **load, **common))
-        return out
-
-    def all_points(self) -> list[PointConfig]:
-        return [p for d in self.deployments for p in self.points(d)]
-
-
-def baseline(model: str) -> DeploymentSpec:
-    return DeploymentSpec(model=model)
-
-
-def spec_deployment(model: str, method: str, gamma: int, head: str | None = None) -> DeploymentSpec:
-    return DeploymentSpec(model=model, speculative=Speculative(method=method, num_speculative_tokens=gamma,
-                                                               model=head))
-
-
-def parse_deployment(text: str, model: str) -> DeploymentSpec:
-    """``baseline`` | ``ngram:3`` | ``eagle3:domain:3`` | ``eagle3:/path/to/head:5`` -> a spec."""
-    parts = text.split(":")
-    if parts[0] in ("baseline", "none"):
-        return baseline(model)
-    if parts[0] in ("ngram", "suffix") and len(parts) == 2:
-        return spec_deployment(model, parts[0], int(parts[1]))
-    if parts[0] in ("eagle3", "draft_model") and len(parts) >= 3:
-        return spec_deployment(model, parts[0], int(parts[-1]), ":".join(parts[1:-1]))
-    raise ValueError(f"cannot read deployment {text!r}: use baseline, ngram:γ or eagle3:HEAD:γ")
-
-
-def head_available(name: str) -> bool:
-    from ..model.registry import resolve_head
-
-    try:
-        resolve_head(name)
-        return True
-    except Exception:
-        return False
-
-
-def preset(name: str, model: str = "commerce") -> SweepPlan:
-    """``paper``: the published study's grid. ``quick``: a taste of it in under 10 minutes on 2 cores."""
-    if name == "paper":
-        return SweepPlan(name="paper", deployments=[
-            baseline(model), spec_deployment(model, "eagle3", 3, "domain"),
-            spec_deployment(model, "eagle3", 5, "domain"), spec_deployment(model, "eagle3", 3, "generic")],
-            concurrencies=[1, 2, 4, 8, 16, 32], temperatures=[0.0, 0.5],
-            # 10..64 requests per point: about half an hour on 2 CPU cores; points are paired (the same
-            # requests on every deployment), so ratios stay tight even with few requests.
-            requests_per_stream=2, min_requests=10, max_tokens=96)
-    if name == "quick":
-        deps = [baseline(model), spec_deployment(model, "ngram", 3)]
-        if head_available("domain"):
-            deps.append(spec_deployment(model, "eagle3", 3, "domain"))
-        return SweepPlan(name="quick", deployments=deps, concurrencies=[1, 8], temperatures=[0.0],
-                         requests_per_stream=3, min_requests=8, max_tokens=96)
-    raise ValueError(f"unknown preset {name!r}: quick or paper")
-
 
 # --- request sets -------------------------------------------------------------
 
@@ -270,6 +172,21 @@ class SilentReporter:
     def stop(self): pass
 
 
+class _NestedReporter(SilentReporter):
+    """A sweep inside a sweep (a calibration): one line per deployment and point, the outer bars untouched."""
+
+    def __init__(self, outer: Reporter, what: str):
+        self.outer, self.what = outer, what
+
+    def deployment(self, label, state):
+        self.outer.deployment(f"{self.what} {label}", state)
+
+    def point_finished(self, res):
+        c = res.config
+        tput = f"{res.output_throughput:.1f} tok/s" if res.output_throughput else res.reason or res.status
+        self.outer.deployment(f"{self.what} {c.deployment}", f"{c.load} T={c.temperature:g}: {tput}")
+
+
 def write_run_file(out: Path, plan: SweepPlan, machine: Machine) -> None:
     path = out / "run.json"
     prev = json.loads(path.read_text()) if path.exists() else {}
@@ -292,6 +209,8 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
     """Measure every unfinished point of ``plan`` into ``out/results.jsonl``; returns all results."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if not plan.server_url:  # record (and key points by) the dtype that runs, not "auto"
+        plan = plan.model_copy(update={"deployments": [d.resolved() for d in plan.deployments]})
     reporter = reporter or SilentReporter()
     machine = Machine.here()
     write_run_file(out, plan, machine)
@@ -307,6 +226,17 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
             if plan.server_url and spec.speculative.method == "none" and len(plan.deployments) == 1 \
                     and spec.model != "commerce":
                 label = spec.model  # an unlabelled external endpoint: named after its model
+            if spec.speculative.adaptive and not spec.speculative.schedule:
+                try:
+                    spec = _tuned(plan, spec, out, launcher, reporter)
+                except Exception as exc:  # no head, a calibration that failed...
+                    reason = f"adaptive schedule could not be tuned: {type(exc).__name__}: {exc}"
+                    reporter.deployment(label, "failed")
+                    for cfg in plan.points(spec, label):
+                        res = PointResult.failed(cfg, reason[:2000], machine=machine)
+                        append_result(out, res)
+                        reporter.point_finished(res)
+                    continue
             pending = [p for p in plan.points(spec, label) if p.key not in done]
             if not pending:
                 reporter.deployment(label, "done")
@@ -316,6 +246,21 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
         reporter.stop()
         finish_run_file(out, time.monotonic() - t0, measured, skipped)
     return load_results(out)
+
+
+def _tuned(plan: SweepPlan, spec: DeploymentSpec, out: Path, launcher: Launcher | None,
+           reporter: Reporter) -> DeploymentSpec:
+    """An adaptive deployment with its schedule (``bench/adaptive.py`` says where it comes from)."""
+    from .adaptive import resolve_adaptive
+
+    def calibrate(s: DeploymentSpec, cal_dir: Path) -> list[PointResult]:
+        cal = preset("calibrate", s.model, s.speculative.model)
+        same = {k: getattr(s, k) for k in ("dtype", "enforce_eager", "max_model_len", "max_num_seqs", "env",
+                                           "engine_args", "start_timeout_s")}
+        cal.deployments = [d.model_copy(update=same) for d in cal.deployments]
+        return run_sweep(cal, cal_dir, launcher, _NestedReporter(reporter, "calibration"))
+
+    return resolve_adaptive(spec, out, calibrate, log=lambda msg: reporter.deployment(spec.label, msg))
 
 
 def _start(plan: SweepPlan, spec: DeploymentSpec, out: Path, launcher: Launcher | None, label: str):

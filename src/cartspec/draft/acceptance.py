@@ -53,7 +53,7 @@ def _count_classes(classes: Sequence[Sequence[str]]) -> dict[str, int]:
 def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], head: str | None = None,
                  concurrency: int = 8, max_tokens: int = 192, log_dir: str | Path = "runs/logs",
                  log: Callable[[str], None] = print, enforce_eager: bool = False,
-                 on_done: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                 on_done: Callable[[int, int], None] | None = None, dtype: str = "auto") -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from ..model.registry import resolve_head, resolve_model
@@ -69,7 +69,7 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
     sp = Speculative(method=method, num_speculative_tokens=gamma,
                      model=str(head_dir) if head_dir else None)
     spec = DeploymentSpec(name="cartspec", model=str(model_dir), speculative=sp, enforce_eager=enforce_eager,
-                          max_num_seqs=max(concurrency, 1))
+                          max_num_seqs=max(concurrency, 1), dtype=dtype).resolved()
     tok = AutoTokenizer.from_pretrained(model_dir)
     t0 = time.perf_counter()
     with VllmServer(spec, log_dir=log_dir, model_dir=model_dir, head_dir=head_dir) as server:

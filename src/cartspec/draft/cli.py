@@ -164,6 +164,7 @@ def acceptance(
     concurrency: int = typer.Option(8),
     max_tokens: int = typer.Option(192),
     enforce_eager: bool = typer.Option(False, help="vLLM without torch.compile"),
+    dtype: str = typer.Option("auto", help="serving dtype: auto (float32 on a CPU without native bf16, else bfloat16) | bfloat16 | float32 | float16"),
 ) -> None:
     """τ, acceptance rate, per-position and by-class acceptance at temperature 0."""
     from ..model.convert import ModelNotFound
@@ -189,7 +190,7 @@ def acceptance(
             else:
                 res = measure_vllm(target, method, gamma, reqs, head=head, concurrency=concurrency,
                                    max_tokens=max_tokens, log=console.print, enforce_eager=enforce_eager,
-                                   on_done=prog)
+                                   on_done=prog, dtype=dtype)
         except (ModelNotFound, DeploymentError, FileNotFoundError) as exc:
             _fail(str(exc))
     res["data"] = data

@@ -85,7 +85,7 @@ def vllm_generate(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: S
                   enforce_eager: bool = False, max_model_len: int = 1024, log: Callable[[str], None] = print,
                   ) -> list[dict[str, Any]]:
     """Run ``cartspec.draft.vllm_generate`` in a subprocess; returns its records (cached at ``out``)."""
-    from ..serving.engine import engine_env
+    from ..serving.engine import engine_env, resolve_dtype
 
     out = Path(out)
     if out.exists():
@@ -93,7 +93,7 @@ def vllm_generate(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: S
     out.parent.mkdir(parents=True, exist_ok=True)
     job = {"model": str(model_dir), "prompts": [list(map(int, p)) for p in prompts],
            "sampling": [s.as_dict() for s in sampling], "enforce_eager": enforce_eager,
-           "max_model_len": max_model_len}
+           "max_model_len": max_model_len, "dtype": resolve_dtype("auto")}
     job_path = out.with_suffix(".job.json")
     job_path.write_text(json.dumps(job))
     tmp = out.with_suffix(".tmp")

@@ -60,7 +60,7 @@ def score_replies(reqs: list[Request], replies: list[Any]) -> tuple[dict[str, An
 def evaluate_model(model: str = "commerce", data: str = "test", out: Path = Path("runs/eval-model.json"),
                    server: str | None = None, served_name: str = "cartspec", structured: bool = False,
                    concurrency: int = 16, max_tokens: int = 160, limit: int | None = None,
-                   log_dir: Path = Path("runs/logs")) -> dict[str, Any]:
+                   log_dir: Path = Path("runs/logs"), dtype: str = "auto") -> dict[str, Any]:
     from ..serving.engine import engine_versions
     from ..serving.server import VllmServer
     from ..serving.spec import DeploymentSpec
@@ -73,7 +73,8 @@ def evaluate_model(model: str = "commerce", data: str = "test", out: Path = Path
         replies = asyncio.run(_ask_all(server, served_name, reqs, concurrency, max_tokens, structured))
         meta["server"] = server
     else:
-        spec = DeploymentSpec(name=served_name, model=model)
+        spec = DeploymentSpec(name=served_name, model=model, dtype=dtype).resolved()
+        meta["dtype"] = spec.dtype
         with VllmServer(spec, log_dir=log_dir) as srv:
             meta["deployment"] = srv.info().__dict__
             replies = asyncio.run(_ask_all(srv.url, served_name, reqs, concurrency, max_tokens, structured))

@@ -76,7 +76,8 @@ def summary_rows(results: list[PointResult]) -> list[dict[str, Any]]:
         rows.append({
             "deployment": c.deployment, "method": c.method, "gamma": c.gamma, "head": c.head,
             "mode": c.mode, "concurrency": c.concurrency, "rate": c.rate, "temperature": c.temperature,
-            "request_set": c.request_set, "status": r.status, "reason": r.reason,
+            "request_set": c.request_set, "dtype": (c.spec or {}).get("dtype"), "status": r.status,
+            "reason": r.reason,
             "n_requests": r.n_requests, "n_errors": r.n_errors, "wall_s": r.wall_s,
             "output_throughput": r.output_throughput, "request_throughput": r.request_throughput,
             "goodput": r.goodput, "slo_attainment": r.slo_attainment,
@@ -517,6 +518,7 @@ def build_report(run_dir: str | Path, target_rps: float | None = None, slo: floa
     summary = {
         "run": {"dir": str(run_dir), "preset": (run.get("plan") or {}).get("name"), "machine": machine,
                 "engine": versions, "invocations": invocations,
+                "dtypes": sorted({r["dtype"] for r in rows if r.get("dtype")}),
                 "seconds": sum(i.get("seconds", 0) for i in invocations)},
         "slo_e2el_s": slo, "target_rps": target,
         "points": [{k: v for k, v in r.items()} for r in rows],

@@ -19,6 +19,7 @@ figcaption{color:#555;font-size:12.5px}.muted{color:#777;font-size:12px}
 </style></head><body>
 <h1>cartspec study{% if summary.run.preset %}: <code>{{ summary.run.preset }}</code> preset{% endif %}</h1>
 <p class="muted">Run {{ summary.run.dir }} · {{ summary.run.machine.cpu or "" }}, {{ summary.run.machine.cores }} cores,
+{% if summary.run.engine.hardware %}{{ summary.run.engine.hardware }}, {% endif %}{% if summary.run.dtypes %}dtype {{ summary.run.dtypes|join(", ") }}, {% endif %}
 {{ summary.run.machine.memory_gib }} GiB · {{ summary.run.engine.vllm or "" }} · torch {{ summary.run.engine.torch or "?" }}
 · sweep time {{ "%.1f"|format(summary.run.seconds / 60) }} min over {{ summary.run.invocations|length }} invocation(s)</p>
 

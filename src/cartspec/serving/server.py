@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from .engine import engine_env, engine_versions
+from .engine import engine_env, engine_versions, resolve_dtype
 from .spec import DeploymentSpec
 from .vllm_fixes import SITE_DIR
 
@@ -171,7 +171,7 @@ class VllmServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", str(model), "--served-model-name", s.name,
                "--host", "127.0.0.1", "--port", str(self.port),
-               "--dtype", s.dtype, "--max-model-len", str(s.max_model_len),
+               "--dtype", resolve_dtype(s.dtype), "--max-model-len", str(s.max_model_len),
                "--max-num-seqs", str(s.max_num_seqs), "--seed", str(s.seed),
                "--uvicorn-log-level", "warning"]
         if s.enforce_eager:
@@ -311,7 +311,8 @@ class VllmServer:
     def info(self) -> ServerInfo:
         model, head = self._resolve()
         return ServerInfo(url=self.url, model_name=self.spec.name, spec=self.spec.model_dump(mode="json"),
-                          versions={**engine_versions(), "model_dir": str(model), "head_dir": head or ""},
+                          versions={**engine_versions(), "model_dir": str(model), "head_dir": head or "",
+                                    "dtype": resolve_dtype(self.spec.dtype)},
                           log_path=str(self.log_path))
 
     def __enter__(self) -> "VllmServer":

@@ -24,11 +24,24 @@ class Speculative(BaseModel):
     prompt_lookup_max: int | None = Field(None, ge=1)
     schedule: list[tuple[int, int, int]] | None = Field(
         None, description="per-batch-size γ: [(lo, hi, k), ...] -> num_speculative_tokens_per_batch_size")
+    adaptive: bool = Field(False, description="γ per batch size tuned for this machine (`cartspec tune`); the "
+                                              "schedule is filled in when the deployment starts")
 
     @model_validator(mode="after")
     def _check(self) -> "Speculative":
         if self.method == "none":
             return self
+        if self.schedule:
+            ks = [k for _, _, k in self.schedule]
+            if min(ks) < 0:
+                raise ValueError("schedule γ values must be >= 0 (0: no speculation at that batch size)")
+            if self.num_speculative_tokens is not None and max(ks) > self.num_speculative_tokens:
+                raise ValueError(f"schedule asks for γ={max(ks)} above num_speculative_tokens="
+                                 f"{self.num_speculative_tokens} (vLLM caps it there)")
+            if sorted(self.schedule)[0][0] != 1:
+                raise ValueError("the schedule's first batch-size range must start at 1")
+        if self.num_speculative_tokens is None and self.adaptive and not self.schedule:
+            return self  # tuned when the deployment starts
         if self.num_speculative_tokens is None:
             raise ValueError(f"method {self.method!r} needs num_speculative_tokens (γ)")
         if self.method in ("eagle3", "draft_model") and not self.model:
@@ -44,11 +57,32 @@ class Speculative(BaseModel):
         if self.method == "none":
             return "baseline"
         head = f"-{Path(self.model).name}" if self.method == "eagle3" and self.model else ""
+        if self.adaptive:
+            return f"{self.method}{head}-auto"
         return f"{self.method}{head}-g{self.num_speculative_tokens}"
+
+    def gamma_at(self, batch_size: int) -> int:
+        """The γ vLLM drafts at this many scheduled requests (its schedule lookup; past the last range the
+        last γ carries on, capped at num_speculative_tokens)."""
+        if self.method == "none":
+            return 0
+        cap = self.num_speculative_tokens or 0
+        if not self.schedule:
+            return cap
+        k = 0
+        for lo, hi, kk in sorted(self.schedule):
+            if batch_size >= lo:
+                k = kk
+            if lo <= batch_size <= hi:
+                break
+        return min(k, cap)
 
     def vllm_config(self, resolved_model: str | None = None) -> dict[str, Any] | None:
         if self.method == "none":
             return None
+        if self.num_speculative_tokens is None:
+            raise ValueError("an adaptive deployment needs its schedule tuned first (`cartspec tune`, or the "
+                             "study's eagle3:HEAD:auto label, which tunes it)")
         cfg: dict[str, Any] = {"num_speculative_tokens": self.num_speculative_tokens}
         if self.method == "ngram":
             cfg.update(method="ngram", prompt_lookup_min=self.prompt_lookup_min or 2,
@@ -72,7 +106,8 @@ class DeploymentSpec(FileModel):
     name: str = "cartspec"
     model: str = Field("commerce", description="'commerce', 'base' or a path to an HF directory")
     speculative: Speculative = Field(default_factory=Speculative)
-    dtype: str = "bfloat16"
+    dtype: str = Field("auto", description="auto: float32 on a CPU without native bf16, bfloat16 where it is "
+                                         "native (AVX-512-bf16, AMX, CUDA); or any dtype vLLM takes")
     max_model_len: int = 1024
     max_num_seqs: int = 32
     enforce_eager: bool = False
@@ -84,4 +119,11 @@ class DeploymentSpec(FileModel):
     @property
     def label(self) -> str:
         return self.speculative.label
+
+    def resolved(self) -> "DeploymentSpec":
+        """This spec with ``dtype: auto`` replaced by the dtype picked for this machine, so that what a
+        result records (and its resume key) says which dtype ran."""
+        from .engine import resolve_dtype
+
+        return self if self.dtype != "auto" else self.model_copy(update={"dtype": resolve_dtype(self.dtype)})
 

@@ -1,0 +1,86 @@
+"""Adaptive deployments in a study: the γ-per-batch-size schedule tuned for this machine.
+
+A deployment labelled ``eagle3:HEAD:auto`` has no fixed γ. When the study reaches it,
+its schedule comes from, in order:
+
+1. the schedule cached for this machine, dtype, target and head (``$CARTSPEC_HOME/tune/``);
+2. this run's own points, when they hold the baseline and that head at two or more loads
+   (the ``paper`` preset measures them before the adaptive row);
+3. a calibration (``--preset calibrate``, a few minutes) run into the cache first.
+
+Whichever it was, the tuned spec and the tuning's figures are cached, so ``cartspec serve --spec``
+and a rerun of the study use the same schedule; the run's log says which source was used.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from ..paths import config_digest, home
+from ..serving.spec import DeploymentSpec
+from .results import PointResult, load_results
+
+
+def tune_dir() -> Path:
+    p = home() / "tune"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def cache_key(spec: DeploymentSpec) -> str:
+    """Which machine, engine settings, target and head a schedule was tuned for."""
+    from ..model.registry import resolve_head, resolve_model
+    from ..paths import dir_digest
+    from ..serving.engine import engine_versions, resolve_dtype
+
+    v = engine_versions()
+    head = resolve_head(spec.speculative.model)
+    return config_digest({
+        "hardware": v.get("hardware"), "cpu": v.get("cpu"), "cores": v.get("machine"), "engine": v.get("vllm"),
+        "dtype": resolve_dtype(spec.dtype), "max_num_seqs": spec.max_num_seqs, "enforce_eager": spec.enforce_eager,
+        "model": Path(resolve_model(spec.model)).name,  # cached model dirs are named by content hash
+        "head": dir_digest(head, only=["config.json", "model.safetensors"])[:16]})
+
+
+def tune_from(results: list[PointResult], spec: DeploymentSpec) -> DeploymentSpec:
+    """The adaptive spec with its schedule, tuned from ``results`` (raises ValueError when they cannot say)."""
+    from ..analysis.tune import tune_schedule
+
+    head = spec.speculative.model
+    tuned = tune_schedule([r for r in results if r.status == "ok"], head=head, max_batch=spec.max_num_seqs)
+    return adaptive_spec(spec, tuned.schedule)
+
+
+def adaptive_spec(spec: DeploymentSpec, schedule: list[tuple[int, int, int]]) -> DeploymentSpec:
+    """``spec`` with this schedule. A schedule that never speculates still loads the head (γ capped at 1,
+    0 at every batch size), so the point stays labelled as the adaptive deployment and vLLM drafts nothing."""
+    top = max(k for _, _, k in schedule)
+    sp = spec.speculative.model_copy(update={"schedule": [tuple(s) for s in schedule],
+                                             "num_speculative_tokens": max(top, 1), "adaptive": True})
+    return spec.model_copy(update={"speculative": sp})
+
+
+def resolve_adaptive(spec: DeploymentSpec, run_dir: Path, calibrate: Callable[[DeploymentSpec, Path], list[PointResult]],
+                     log: Callable[[str], None] = print) -> DeploymentSpec:
+    """The schedule for an adaptive ``spec``: cached, else tuned from this run, else from a calibration."""
+    sp = spec.speculative
+    if not sp.adaptive or sp.schedule:
+        return spec
+    key = cache_key(spec)
+    cached = tune_dir() / f"{key}.yaml"
+    if cached.exists():
+        tuned = DeploymentSpec.load(cached)
+        log(f"adaptive {sp.label}: schedule {tuned.speculative.schedule} (cached for this machine: {cached})")
+        return adaptive_spec(spec, tuned.speculative.schedule)
+    try:
+        out = tune_from(load_results(run_dir), spec)
+        source = f"tuned from this run's points ({run_dir})"
+    except ValueError as exc:
+        cal_dir = tune_dir() / f"calibrate-{key}"
+        log(f"adaptive {sp.label}: this run cannot tune it ({exc}); calibrating into {cal_dir}")
+        out = tune_from(calibrate(spec, cal_dir), spec)
+        source = f"tuned from a calibration ({cal_dir})"
+    out.save(cached)
+    log(f"adaptive {sp.label}: schedule {out.speculative.schedule}, {source}; cached at {cached}")
+    return out

@@ -1,0 +1,128 @@
+"""What a study measures: the grid of deployments × loads × temperatures, and the named presets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..serving.spec import DeploymentSpec, Speculative
+from .results import PointConfig
+
+class SweepPlan(BaseModel):
+    """A grid of points; serialised into ``run.json`` beside the results."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "custom"
+    deployments: list[DeploymentSpec]
+    concurrencies: list[int] = Field(default_factory=lambda: [1, 8])
+    rates: list[float] = Field(default_factory=list, description="open-loop arrival rates (req/s); empty: closed loop")
+    temperatures: list[float] = Field(default_factory=lambda: [0.0])
+    request_sets: list[str] = Field(default_factory=lambda: ["commerce"])
+    n_requests: int | None = Field(None, description="measured requests per point; None: per-load rule below")
+    requests_per_stream: int = 4
+    min_requests: int = 16
+    duration_s: float | None = None
+    warmup: int | None = Field(None, description="warm-up requests per point; None: min(concurrency, 8)")
+    max_tokens: int = 128
+    structured: bool = False
+    seed: int = 0
+    slo_e2el_s: float = 2.0
+    server_url: str | None = Field(None, description="measure this running endpoint instead of starting vLLM")
+    served_name: str | None = None
+
+    def points(self, deployment: DeploymentSpec, label: str | None = None) -> list[PointConfig]:
+        sp = deployment.speculative
+        common = dict(deployment=label or deployment.label, method=sp.method, gamma=sp.num_speculative_tokens,
+                      head=sp.model if sp.method == "eagle3" else None,
+                      spec=deployment.model_dump(mode="json"), max_tokens=self.max_tokens,
+                      structured=self.structured, seed=self.seed, slo_e2el_s=self.slo_e2el_s,
+                      duration_s=self.duration_s)
+        loads: list[dict[str, Any]] = ([dict(mode="open", rate=r, concurrency=None) for r in self.rates]
+                                       if self.rates else [dict(mode="closed", concurrency=c) for c in self.concurrencies])
+        out = []
+        for rs in self.request_sets:
+            for temp in self.temperatures:
+                for load in loads:
+                    width = load["concurrency"] or max(1, round(load["rate"]))
+                    n = self.n_requests or max(self.min_requests, self.requests_per_stream * width)
+                    warm = self.warmup if self.warmup is not None else min(width, 8)
+                    out.append(PointConfig(request_set=rs, temperature=temp, n_requests=n, warmup=warm,
+                                           **load, **common))
+        return out
+
+    def all_points(self) -> list[PointConfig]:
+        return [p for d in self.deployments for p in self.points(d)]
+
+
+def baseline(model: str) -> DeploymentSpec:
+    return DeploymentSpec(model=model)
+
+
+def spec_deployment(model: str, method: str, gamma: int, head: str | None = None) -> DeploymentSpec:
+    return DeploymentSpec(model=model, speculative=Speculative(method=method, num_speculative_tokens=gamma,
+                                                               model=head))
+
+
+def adaptive_deployment(model: str, head: str) -> DeploymentSpec:
+    """EAGLE-3 with γ per batch size tuned for this machine when the deployment starts."""
+    return DeploymentSpec(model=model, speculative=Speculative(method="eagle3", model=head, adaptive=True))
+
+
+def parse_deployment(text: str, model: str) -> DeploymentSpec:
+    """``baseline`` | ``ngram:3`` | ``eagle3:domain:3`` | ``eagle3:/path/to/head:5`` | ``eagle3:domain:auto``
+    (γ per batch size, tuned for this machine) -> a spec."""
+    parts = text.split(":")
+    if parts[0] in ("baseline", "none"):
+        return baseline(model)
+    if parts[0] == "eagle3" and len(parts) >= 3 and parts[-1] == "auto":
+        return adaptive_deployment(model, ":".join(parts[1:-1]))
+    if parts[0] in ("ngram", "suffix") and len(parts) == 2:
+        return spec_deployment(model, parts[0], int(parts[1]))
+    if parts[0] in ("eagle3", "draft_model") and len(parts) >= 3:
+        return spec_deployment(model, parts[0], int(parts[-1]), ":".join(parts[1:-1]))
+    raise ValueError(f"cannot read deployment {text!r}: use baseline, ngram:γ, eagle3:HEAD:γ or eagle3:HEAD:auto")
+
+
+def head_available(name: str) -> bool:
+    from ..model.registry import resolve_head
+
+    try:
+        resolve_head(name)
+        return True
+    except Exception:
+        return False
+
+
+PRESETS = ("quick", "paper", "calibrate")
+
+
+def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPlan:
+    """``paper``: the published study's grid, plus n-gram and the adaptive schedule tuned for this machine.
+    ``quick``: a taste of it in under 10 minutes on 2 cores. ``calibrate``: what the cost model and
+    ``cartspec tune`` need on a new machine (the baseline and the head at γ=5 at three loads), in minutes."""
+    if name == "paper":
+        return SweepPlan(name="paper", deployments=[
+            baseline(model), spec_deployment(model, "eagle3", 3, head),
+            spec_deployment(model, "eagle3", 5, head), spec_deployment(model, "eagle3", 3, "generic"),
+            spec_deployment(model, "ngram", 3), adaptive_deployment(model, head)],
+            concurrencies=[1, 2, 4, 8, 16, 32], temperatures=[0.0, 0.5],
+            # 10..64 requests per point: about half an hour on 2 CPU cores; points are paired (the same
+            # requests on every deployment), so ratios stay tight even with few requests.
+            requests_per_stream=2, min_requests=10, max_tokens=96)
+    if name == "quick":
+        deps = [baseline(model), spec_deployment(model, "ngram", 3)]
+        if head_available("domain"):
+            deps.append(spec_deployment(model, "eagle3", 3, "domain"))
+        return SweepPlan(name="quick", deployments=deps, concurrencies=[1, 8], temperatures=[0.0],
+                         requests_per_stream=3, min_requests=8, max_tokens=96)
+    if name == "calibrate":
+        # γ=5 measures acceptance at every position a schedule may use (chain drafting: the first i
+        # positions do not depend on γ); 1, 4 and 16 streams separate per-step from per-token costs.
+        return SweepPlan(name="calibrate", deployments=[baseline(model), spec_deployment(model, "eagle3", 5, head)],
+                         concurrencies=[1, 4, 16], temperatures=[0.0], requests_per_stream=2, min_requests=8,
+                         max_tokens=96)
+    raise ValueError(f"unknown preset {name!r}: {', '.join(PRESETS)}")
+
+

@@ -1,0 +1,63 @@
+"""Real vLLM on CPU honours a γ-per-batch-size schedule: what `cartspec tune` writes is what runs.
+
+With ``[[1, 1, 3], [2, 64, 0]]`` a request alone in the batch is drafted for (3 tokens a step), and
+requests that share the batch are not. Per-request speculative metrics say how many tokens were
+drafted at each verify step of each request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+
+def _random_head(target_dir, out):
+    import json
+
+    from cartspec.draft.export import export_head
+    from cartspec.draft.head import Eagle3Head, HeadConfig
+
+    cfg = HeadConfig.for_target(json.loads((target_dir / "config.json").read_text()), draft_vocab_size=256)
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg)
+    head.set_vocab(torch.arange(256))
+    return export_head(head, out)
+
+
+@pytest.mark.timeout(600)
+def test_a_lone_request_drafts_and_a_full_batch_does_not(tiny_llama_dir, tmp_path):
+    from cartspec.serving.client import ChatClient
+    from cartspec.serving.server import VllmServer
+    from cartspec.serving.spec import DeploymentSpec, Speculative
+
+    head = _random_head(tiny_llama_dir, tmp_path / "head")
+    spec = DeploymentSpec(name="tiny", model=str(tiny_llama_dir), enforce_eager=True, max_model_len=512,
+                          max_num_seqs=8, speculative=Speculative(method="eagle3", model=str(head),
+                                                                  num_speculative_tokens=3,
+                                                                  schedule=[(1, 1, 3), (2, 64, 0)]))
+    assert spec.speculative.vllm_config(str(head))["num_speculative_tokens_per_batch_size"] == [[1, 1, 3],
+                                                                                                [2, 64, 0]]
+    prompt = [{"role": "user", "content": "red running shoes in size 10 under 50 dollars"}]
+    # ignore_eos: a random model may stop at once; every request must run its full length
+    extra = {"ignore_eos": True}
+
+    with VllmServer(spec, log_dir=tmp_path) as srv:
+        async def run():
+            async with ChatClient(srv.url, "tiny") as c:
+                lone = await c.chat(prompt, max_tokens=24, extra=extra)
+                batch = await asyncio.gather(*(c.chat(prompt, max_tokens=24, extra=extra) for _ in range(6)))
+                return lone, batch
+
+        lone, batch = asyncio.run(run())
+    drafted_lone = lone.spec["per_step_drafted"]
+    assert drafted_lone and all(d == 3 for d in drafted_lone), lone.spec
+    # Six requests sent together share the batch (batch size >= 2 -> γ = 0) once all have been admitted;
+    # only a request that ran alone for a step (before the others arrived) may have drafted.
+    drafted = [d for b in batch for d in (b.spec or {}).get("per_step_drafted", [])]
+    tokens = sum(b.output_tokens for b in batch)
+    assert tokens == 6 * 24
+    assert sum(drafted) <= 0.1 * 3 * tokens, (sum(drafted), tokens)

@@ -1,0 +1,104 @@
+"""The serving dtype follows the machine: float32 where bf16 would be emulated, bf16 where it is native;
+a user's explicit dtype always wins, and what ran is recorded."""
+
+from __future__ import annotations
+
+import pytest
+
+from cartspec.serving import engine
+from cartspec.serving.spec import DeploymentSpec, Speculative
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    def set_features(*feats):
+        monkeypatch.setattr(engine, "has_cuda", lambda: False)
+        monkeypatch.setattr(engine, "cpu_features", lambda: tuple(feats))
+        engine.engine_versions.cache_clear()  # it records the features: never cache a faked machine
+    yield set_features
+    engine.engine_versions.cache_clear()
+
+
+def test_an_avx2_only_cpu_serves_float32(cpu):
+    cpu("avx2")
+    assert engine.auto_dtype()[0] == "float32"
+    assert "emulated" in engine.auto_dtype()[1]
+    assert DeploymentSpec().resolved().dtype == "float32"
+
+
+@pytest.mark.parametrize("feats", [("avx2", "avx512f", "avx512_bf16"), ("avx2", "avx512f", "amx_bf16", "amx_tile")])
+def test_a_cpu_with_native_bf16_serves_bf16(cpu, feats):
+    cpu(*feats)
+    assert engine.auto_dtype()[0] == "bfloat16"
+    assert DeploymentSpec().resolved().dtype == "bfloat16"
+
+
+def test_avx512_without_bf16_is_still_float32(cpu):
+    cpu("avx2", "avx512f")
+    assert engine.auto_dtype()[0] == "float32"
+
+
+def test_an_explicit_dtype_wins_over_the_machine(cpu):
+    cpu("avx2")
+    assert DeploymentSpec(dtype="bfloat16").resolved().dtype == "bfloat16"
+    cpu("avx2", "avx512f", "avx512_bf16")
+    assert DeploymentSpec(dtype="float32").resolved().dtype == "float32"
+
+
+def test_the_vllm_command_carries_the_resolved_dtype(cpu, tmp_path):
+    from cartspec.serving.server import VllmServer
+
+    cpu("avx2")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    srv = VllmServer(DeploymentSpec(model=str(model)), log_dir=tmp_path, model_dir=model)
+    cmd = srv.command()
+    assert cmd[cmd.index("--dtype") + 1] == "float32"
+    assert srv.info().versions["dtype"] == "float32"
+
+
+def test_the_hardware_line_names_the_cpu_features(cpu):
+    cpu("avx2", "avx512f", "avx512_bf16")
+    assert engine.hardware() == "CPU avx2+avx512f+avx512_bf16"
+
+
+def test_a_study_plan_records_the_dtype_that_runs(cpu, tmp_path):
+    """Resume keys and results say float32 or bfloat16, never "auto": two dtypes never share a point."""
+    from cartspec.bench.plan import preset
+
+    cpu("avx2")
+    plan = preset("calibrate")
+    f32 = [d.resolved() for d in plan.deployments]
+    bf16 = [d.model_copy(update={"dtype": "bfloat16"}).resolved() for d in plan.deployments]
+    assert {p.spec["dtype"] for d in f32 for p in plan.points(d)} == {"float32"}
+    keys32 = {p.key for d in f32 for p in plan.points(d)}
+    keys16 = {p.key for d in bf16 for p in plan.points(d)}
+    assert not keys32 & keys16
+
+
+def test_cpu_features_are_read_from_this_machine():
+    engine.cpu_features.cache_clear()
+    feats = engine.cpu_features()
+    assert set(feats) <= set(engine._CPU_FEATURES)
+    with open("/proc/cpuinfo") as fh:
+        flags = next((ln.split(":", 1)[1].split() for ln in fh if ln.startswith("flags")), [])
+    assert ("avx2" in feats) == ("avx2" in flags)
+
+
+def test_a_schedule_is_checked_and_looked_up_like_vllm():
+    sp = Speculative(method="eagle3", model="domain", num_speculative_tokens=3, schedule=[(1, 1, 3), (2, 8, 2),
+                                                                                           (9, 64, 0)])
+    assert [sp.gamma_at(b) for b in (1, 2, 8, 9, 64, 100)] == [3, 2, 2, 0, 0, 0]
+    assert sp.vllm_config("/h")["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 8, 2], [9, 64, 0]]
+    with pytest.raises(ValueError, match="above num_speculative_tokens"):
+        Speculative(method="eagle3", model="domain", num_speculative_tokens=2, schedule=[(1, 64, 3)])
+    with pytest.raises(ValueError, match="start at 1"):
+        Speculative(method="eagle3", model="domain", num_speculative_tokens=3, schedule=[(2, 64, 3)])
+
+
+def test_an_adaptive_spec_cannot_start_untuned():
+    sp = Speculative(method="eagle3", model="domain", adaptive=True)
+    assert sp.label == "eagle3-domain-auto"
+    with pytest.raises(ValueError, match="tuned first"):
+        sp.vllm_config("/h")
