@@ -104,12 +104,14 @@ def eval_model(
 # --- stage commands that live beside their stage -------------------------------
 def _register_stages() -> None:
     from .agent.cli import serve
+    from .analysis.cli import register as register_analysis
     from .bench.cli import register as register_bench
     from .draft.cli import app as draft_app
 
     app.command("serve")(serve)
     app.add_typer(draft_app, name="draft")
     register_bench(app)  # study, report
+    register_analysis(app)  # tune
 
 
 _register_stages()

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..bench.results import PointResult, load_results
+from ..serving.spec import schedule_gamma
 from .template import render_html
 
 # The published study (design.md §1), for the side-by-side table.
@@ -236,6 +237,41 @@ def quality_test_line(tests: list[dict[str, Any]]) -> str:
             f"{verdicts.count('inconclusive')} inconclusive, {verdicts.count('worse')} worse; lowest interval "
             f"{worst['deployment']} T={worst['temperature']:g} Δ {worst['diff']:+.1%} "
             f"[{worst['diff_ci95'][0]:+.1%}, {worst['diff_ci95'][1]:+.1%}], p={worst['mcnemar_p']:.2g}")
+
+
+# --- adaptive deployments --------------------------------------------------------
+
+
+def adaptive_table(rows: list[dict[str, Any]], results: list[PointResult]) -> list[dict[str, Any]]:
+    """Each adaptive (γ per batch size) point beside the best fixed deployment at the same load and T.
+
+    The goal of tuning: at every load at least 0.95 × the best fixed deployment measured (speculative or
+    not) and at least 1.0 × the baseline; ``meets`` says whether this point does."""
+    schedules = {r.config.deployment: (r.config.spec.get("speculative") or {}).get("schedule")
+                 for r in results if r.config.spec.get("speculative", {}).get("adaptive")}
+    ok = [r for r in rows if r["status"] == "ok" and r["output_throughput"]]
+    out = []
+    for a in ok:
+        if a["deployment"] not in schedules:
+            continue
+        same = [r for r in ok if r["deployment"] not in schedules and r["temperature"] == a["temperature"]
+                and r["mode"] == a["mode"] and r["concurrency"] == a["concurrency"] and r["rate"] == a["rate"]
+                and r["request_set"] == a["request_set"]]
+        if not same:
+            continue
+        best = max(same, key=lambda r: r["output_throughput"])
+        base = next((r for r in same if r["method"] == "none"), None)
+        vs_best = a["output_throughput"] / best["output_throughput"]
+        vs_base = a["output_throughput"] / base["output_throughput"] if base else None
+        sched = schedules[a["deployment"]] or []
+        gamma = schedule_gamma([tuple(s) for s in sched], a["concurrency"] or 1) if sched else None
+        out.append({"deployment": a["deployment"], "temperature": a["temperature"], "concurrency": a["concurrency"],
+                    "gamma_at_load": gamma, "output_throughput": a["output_throughput"],
+                    "best_fixed": best["deployment"], "best_fixed_throughput": best["output_throughput"],
+                    "vs_best_fixed": vs_best, "vs_baseline": vs_base,
+                    "meets": vs_best >= 0.95 and (vs_base is None or vs_base >= 1.0),
+                    "schedule": sched})
+    return sorted(out, key=lambda r: (r["deployment"], r["temperature"], r["concurrency"] or 0))
 
 
 # --- verdict ----------------------------------------------------------------------
@@ -497,6 +533,61 @@ def _ttft_tpot(ok, colours, xl):
     return fig
 
 
+# --- the cost model --------------------------------------------------------------------
+
+
+def cost_model_section(results: list[PointResult]) -> tuple[dict[str, Any], str | None]:
+    """The machine's fitted step costs and how well they predict this run's points (summary entry, plot).
+    A run the model cannot be fitted on gets the reason instead, and the rest of the report is unaffected."""
+    from ..analysis.cost_model import fit_cost_model
+
+    try:
+        model = fit_cost_model(results)
+        preds = model.evaluate(results)
+    except ValueError as exc:
+        return {"fitted": False, "reason": str(exc)}, None
+    entry = {"fitted": True, "coefficients": model.coefficients.model_dump(), "n_points": model.n_points,
+             "median_abs_error": model.median_abs_error, "loo_median_abs_error": model.loo_median_abs_error,
+             "machine": model.machine, "points": [p.model_dump() for p in preds]}
+    return entry, _cost_model_plot(preds)
+
+
+def _cost_model_plot(preds) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 4.6), layout="constrained")
+    deps = sorted({p.deployment for p in preds}, key=lambda d: (d != "baseline", d))
+    for i, d in enumerate(deps):
+        for temp, marker in ((0.0, "o"), (None, "^")):
+            pts = [p for p in preds if p.deployment == d and ((p.temperature == 0) == (temp == 0.0))]
+            if pts:
+                ax.scatter([p.measured for p in pts], [p.predicted for p in pts], marker=marker,
+                           color=plt.cm.tab10(i % 10), label=f"{d}, {'T=0' if temp == 0.0 else 'T>0'}")
+    lo = min(min(p.measured, p.predicted) for p in preds) * 0.9
+    hi = max(max(p.measured, p.predicted) for p in preds) * 1.1
+    ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, label="predicted = measured")
+    if hi / lo > 8:  # one stream and thirty-two differ tenfold: equal relative errors look equal
+        from matplotlib.ticker import FuncFormatter
+
+        plain = FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "125" else "")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(plain)
+            axis.set_minor_formatter(plain)
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured output tokens/s")
+    ax.set_ylabel("predicted output tokens/s")
+    ax.set_title("Cost model: predicted vs measured")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return _png(fig)
+
+
 # --- the whole report ---------------------------------------------------------------
 
 
@@ -535,9 +626,14 @@ def build_report(run_dir: str | Path, target_rps: float | None = None, slo: floa
             "exact_match": "share of answered requests whose reply matches the gold answer in every field",
             "agreement_vs_baseline": "T=0 only: share of requests whose reply is identical to the baseline's"},
     }
+    cost, cost_plot = cost_model_section(results)
+    summary["cost_model"] = cost
+    adaptive = adaptive_table(rows, results)
+    summary["adaptive"] = adaptive
     summary_path = run_dir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2, default=str))
     html_path = run_dir / "report.html"
     html_path.write_text(render_html(summary=summary, figures=figs, rows=rows, caps=caps, comparison=comparison,
-                                     verdict=text, slo=slo, target=target, tests=tests))
+                                     verdict=text, slo=slo, target=target, tests=tests,
+                                     cost=cost, cost_plot=cost_plot, adaptive=adaptive))
     return Report(html=html_path, summary=summary_path, verdict=text, rows=rows)

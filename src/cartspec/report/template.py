@@ -87,6 +87,34 @@ of replies identical to the baseline's for the same request.</p>
 {% for r in failed %}<tr><td class="l">{{ r.deployment }}</td><td>{{ r.concurrency or r.rate }}</td><td>{{ r.temperature }}</td>
 <td class="l"><pre style="white-space:pre-wrap;margin:0">{{ r.reason }}</pre></td></tr>{% endfor %}</table>{% endif %}
 
+{% if adaptive %}<h2>Adaptive γ beside the best fixed deployment</h2>
+<p>γ per batch size, tuned for this machine ({% for a in adaptive[:1] %}schedule <code>{{ a.schedule }}</code>: [first batch size, last, γ]{% endfor %}).
+Goal at every load: ≥ 0.95 × the best fixed deployment and ≥ 1.0 × the baseline.</p>
+<table id="adaptive"><tr><th class="l">deployment</th><th>T</th><th>load</th><th>γ there</th><th>tok/s</th>
+<th class="l">best fixed</th><th>its tok/s</th><th>× best fixed</th><th>× baseline</th><th>goal</th></tr>
+{% for a in adaptive %}<tr><td class="l">{{ a.deployment }}</td><td>{{ a.temperature }}</td><td>{{ a.concurrency }}</td>
+<td>{{ a.gamma_at_load }}</td><td>{{ num(a.output_throughput, 1) }}</td><td class="l">{{ a.best_fixed }}</td>
+<td>{{ num(a.best_fixed_throughput, 1) }}</td><td>{{ num(a.vs_best_fixed, 2) }}</td><td>{{ num(a.vs_baseline, 2) }}</td>
+<td class="{{ 'good' if a.meets else 'bad' }}">{{ "met" if a.meets else "missed" }}</td></tr>{% endfor %}</table>{% endif %}
+
+<h2>Cost model of this machine</h2>
+{% if cost.fitted %}<p>Each decode step with b sequences drafting γ tokens costs s = α + β·b·(γ+1) + γ·(δ + ε·b) and
+advances each sequence by τ = 1 + Σ<sub>i≤γ</sub> p<sub>i</sub> tokens; each request's prompt costs π per token. So
+1/throughput = s/(b·τ) + π·P/n<sub>out</sub>, fitted (non-negative least squares on relative error) to
+{{ cost.n_points }} points, b being the mean number of requests in flight. α = {{ "%.2f"|format(1000 * cost.coefficients.alpha) }} ms,
+β = {{ "%.3f"|format(1000 * cost.coefficients.beta) }} ms, δ = {{ "%.2f"|format(1000 * cost.coefficients.delta) }} ms,
+ε = {{ "%.3f"|format(1000 * cost.coefficients.epsilon) }} ms, π = {{ "%.3f"|format(1000 * cost.coefficients.pi) }} ms.
+Median absolute error {{ pct(cost.median_abs_error) }} in-sample, {{ pct(cost.loo_median_abs_error) }} leave-one-out
+(each point predicted by a fit without it). <code>cartspec tune</code> picks γ per batch size from this model.</p>
+{% if cost_plot %}<figure id="fig-cost-model"><img class="plot" alt="Cost model: predicted vs measured" src="{{ cost_plot }}">
+<figcaption><b>Predicted vs measured output throughput.</b> On the grey line the model is exact.</figcaption></figure>{% endif %}
+<table id="cost-model"><tr><th class="l">deployment</th><th>load</th><th>T</th><th>batch in flight</th>
+<th>measured tok/s</th><th>predicted</th><th>error</th></tr>
+{% for p in cost.points %}<tr><td class="l">{{ p.deployment }}</td><td>{{ p.concurrency }}</td><td>{{ p.temperature }}</td>
+<td>{{ num(p.batch, 1) }}</td><td>{{ num(p.measured, 1) }}</td><td>{{ num(p.predicted, 1) }}</td>
+<td>{{ "%+.1f%%"|format(100 * p.error) }}</td></tr>{% endfor %}</table>
+{% else %}<p class="muted" id="cost-model">Not fitted: {{ cost.reason or "no points" }}.</p>{% endif %}
+
 <h2>Definitions</h2>
 <table>{% for k, v in summary.definitions.items() %}<tr><td class="l"><b>{{ k }}</b></td><td class="l">{{ v }}</td></tr>{% endfor %}</table>
 <p class="muted">Machine-readable: summary.json beside this file; every request: results.jsonl.

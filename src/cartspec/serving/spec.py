@@ -12,6 +12,18 @@ from ..config_files import FileModel
 Method = Literal["none", "eagle3", "ngram", "draft_model", "suffix"]
 
 
+def schedule_gamma(schedule: list[tuple[int, int, int]], batch_size: int) -> int:
+    """γ at this batch size under a ``[(lo, hi, k), ...]`` schedule, as vLLM looks it up: the range that
+    holds it, else (in a gap or past the end) the last range below it."""
+    k = 0
+    for lo, hi, kk in sorted(schedule):
+        if batch_size >= lo:
+            k = kk
+        if lo <= batch_size <= hi:
+            break
+    return k
+
+
 class Speculative(BaseModel):
     """One speculative-decoding method and its knobs (vLLM's ``--speculative-config``)."""
 
@@ -67,15 +79,7 @@ class Speculative(BaseModel):
         if self.method == "none":
             return 0
         cap = self.num_speculative_tokens or 0
-        if not self.schedule:
-            return cap
-        k = 0
-        for lo, hi, kk in sorted(self.schedule):
-            if batch_size >= lo:
-                k = kk
-            if lo <= batch_size <= hi:
-                break
-        return min(k, cap)
+        return min(schedule_gamma(self.schedule, batch_size), cap) if self.schedule else cap
 
     def vllm_config(self, resolved_model: str | None = None) -> dict[str, Any] | None:
         if self.method == "none":

@@ -1,0 +1,94 @@
+"""``cartspec tune``: a study's points -> a deployment spec with γ per batch size for this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+if not console.is_terminal:  # a log file or pipe gets whole lines and tables, not 80 squeezed columns
+    console = Console(stderr=True, width=170)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)  # a command to copy stays on one line
+    raise typer.Exit(2)
+
+
+def tune(
+    run: Path = typer.Option(..., "--run", help="a study's run directory (holds results.jsonl)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="the tuned spec (.yaml/.json; default RUN/tuned.yaml); "
+                                                           "the reasons go beside it as NAME.tune.json"),
+    head: Optional[str] = typer.Option(None, help="EAGLE-3 head to tune (default: the one with the most points)"),
+    max_gamma: int = typer.Option(5, help="largest γ to consider"),
+    max_batch: int = typer.Option(64, help="the schedule covers batch sizes 1..this"),
+    min_speedup: float = typer.Option(1.0, help="speculate only where the speedup over plain decoding beats this"),
+) -> None:
+    """Fit this machine's step costs to a study and write the fastest γ per batch size as a deployment spec."""
+    from ..bench.results import load_results, results_path
+    from .tune import base_spec, save_tuned, tune_schedule
+
+    if not results_path(run).exists():
+        _fail(f"no results.jsonl in {run}: measure first, e.g. `cartspec study --preset calibrate --out {run}`")
+    results = load_results(run)
+    try:
+        res = tune_schedule(results, head=head, max_gamma=max_gamma, max_batch=max_batch, min_speedup=min_speedup)
+    except ValueError as exc:
+        _fail(str(exc))
+    base = base_spec(results, res.head)
+    spec = res.deployment(base)
+    spec_path, json_path = save_tuned(res, spec, out or run / "tuned.yaml")
+    print_tune(res)
+    if base.max_num_seqs > max_batch:
+        console.print(f"[yellow]note:[/] the deployment admits {base.max_num_seqs} sequences but the schedule "
+                      f"stops at {max_batch}; past it vLLM keeps the last range's γ")
+    if res.speculates:
+        console.print(f"[green]spec:[/] {spec_path} ({res.method} head {res.head}, schedule "
+                      f"{[list(s) for s in res.schedule]})")
+    else:
+        console.print(f"[yellow]spec:[/] {spec_path} decodes plainly (method none): speculation did not pay at any "
+                      "batch size")
+    console.print(f"tuning: {json_path}")
+
+
+def print_tune(res) -> None:
+    """Batch range -> γ, with the speedup it is expected to give and whether a measurement said so."""
+    from rich import box
+    from rich.table import Table
+
+    c = res.cost_model
+    k = c.coefficients
+    loo = f", {c.loo_median_abs_error:.1%} leave-one-out" if c.loo_median_abs_error is not None else ""
+    console.print(f"cost model on {c.n_points} points (median error {c.median_abs_error:.1%} in-sample{loo}): "
+                  f"step {1e3 * k.alpha:.2f} ms + {1e3 * k.beta:.3f} ms/verified token + "
+                  f"{1e3 * k.delta:.2f} ms/draft forward + {1e3 * k.epsilon:.3f} ms/drafted token; "
+                  f"prefill {1e3 * k.pi:.3f} ms/prompt token [dim]({c.machine})[/]")
+    temps = ", ".join(f"{x:g}" for x in res.temperatures)
+    t = Table(title=f"γ per batch size, head {res.head} (speedup: mean over T={temps})", box=box.SIMPLE_HEAD)
+    for col in ("batch sizes", "γ", "speedup", "basis"):
+        t.add_column(col, justify="right" if col != "basis" else "left")
+    by_batch = {ch.batch: ch for ch in res.choices}
+    for lo, hi, kk in res.schedule:
+        def span(sp: list[float]) -> str:
+            return f"×{sp[0]:.2f}" if max(sp) - min(sp) < 0.005 else f"×{min(sp):.2f}–{max(sp):.2f}"
+
+        if kk:
+            rng = span([by_batch[b].speedup[kk] for b in range(lo, hi + 1)])
+        else:  # what speculating would have given instead
+            alt = [max((v for g, v in by_batch[b].speedup.items() if g), default=1.0) for b in range(lo, hi + 1)]
+            rng = f"×1.00 (best γ>0: {span(alt)})"
+        reasons = sorted({by_batch[b].reason for b in range(lo, hi + 1)})
+        measured_at = [b for b in range(lo, hi + 1) if by_batch[b].reason == "measured"]
+        basis = ("measured at " + ",".join(map(str, measured_at)) + ("; model elsewhere" if len(reasons) > 1 else "")
+                 if measured_at else "model")
+        t.add_row(f"{lo}–{hi}" if hi > lo else str(lo), str(kk) if kk else "0 (off)", rng, basis)
+    console.print(t)
+    for n in res.notes:
+        console.print(f"[dim]note: {n}[/]")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("tune")(tune)

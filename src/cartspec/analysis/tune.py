@@ -1,0 +1,213 @@
+"""γ per batch size: the speculation schedule this machine's measurements say is fastest.
+
+vLLM takes ``num_speculative_tokens_per_batch_size`` ([[lo, hi, k], ...], k = 0: no speculation at
+that batch size), because the same head that doubles throughput for one stream can halve it for
+sixteen on a machine whose verification cost grows with every token. For every batch size b from 1 to
+``max_batch`` and every γ from 0 to ``max_gamma`` the speedup over plain decoding is taken
+
+* **measured**, where this head was measured at exactly concurrency b and that γ, with the baseline at
+  the same load, temperature and request set: the measured throughput ratio, preferred to the model
+  because it is what the machine did;
+* **model**, elsewhere: the fitted cost model's predicted ratio (``cost_model.py``) with the head's
+  measured acceptance per position (from its largest γ, at the nearest concurrency).
+
+The speedup a γ is judged by is the mean over the temperatures the head was measured at (greedy and
+sampled traffic both count), and the chosen k is the γ with the highest one, or 0 when none beats
+plain decoding by ``min_speedup``. γ above the largest one measured is not considered: the acceptance
+at positions never drafted is unknown.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Literal
+
+import numpy as np
+from pydantic import BaseModel, Field
+
+from ..bench.results import PointResult
+from ..config_files import FileModel
+from ..serving.spec import DeploymentSpec, Speculative
+from .cost_model import (CALIBRATE_HINT, MODEL_DRAFTERS, CostModel, Observation, acceptance_for, exclusion,
+                         fit_cost_model, observations)
+
+Schedule = list[tuple[int, int, int]]
+
+
+class BatchChoice(BaseModel):
+    """The decision at one batch size, with what it compared."""
+
+    batch: int
+    k: int = Field(..., description="γ chosen; 0: no speculation")
+    reason: Literal["measured", "model"] = Field(
+        ..., description="measured: a point at this concurrency entered the decision; model: predictions only")
+    predicted_throughput: dict[int, float] = Field(
+        ..., description="γ -> the model's output tokens/s (mean over temperatures)")
+    speedup: dict[int, float] = Field(..., description="γ -> speedup over γ=0 the decision used (mean over T)")
+    source: dict[int, Literal["measured", "model", "mixed"]] = Field(
+        ..., description="γ -> measured at every temperature, at none (model), or at some (mixed)")
+
+
+class TuneResult(FileModel):
+    """A tuned schedule and why: what each batch size compared, and the cost model behind it."""
+
+    head: str
+    method: str = "eagle3"
+    temperatures: list[float]
+    gammas: list[int] = Field(..., description="the γ values compared (0 is plain decoding)")
+    max_batch: int
+    min_speedup: float = 1.0
+    schedule: Schedule = Field(..., description="[(lo, hi, k), ...] covering 1..max_batch; k=0: off")
+    choices: list[BatchChoice]
+    cost_model: CostModel
+    notes: list[str] = Field(default_factory=list)
+
+    @property
+    def speculates(self) -> bool:
+        return any(k for _, _, k in self.schedule)
+
+    def deployment(self, base: DeploymentSpec | None = None) -> DeploymentSpec:
+        """``base`` (the measured deployment's engine settings) with this schedule, or with plain
+        decoding when the schedule never speculates."""
+        base = base or DeploymentSpec()
+        if not self.speculates:
+            sp = Speculative()
+        else:
+            sp = Speculative(method=self.method, model=self.head,
+                             num_speculative_tokens=max(k for *_, k in self.schedule),
+                             schedule=[tuple(s) for s in self.schedule])
+        return base.model_copy(update={"speculative": sp, "name": f"{base.name}-tuned"})
+
+
+def merge_schedule(ks: list[int]) -> Schedule:
+    """k per batch size (``ks[0]`` is batch size 1) -> inclusive ranges, equal neighbours merged."""
+    out: Schedule = []
+    for b, k in enumerate(ks, start=1):
+        if out and out[-1][2] == k:
+            out[-1] = (out[-1][0], b, k)
+        else:
+            out.append((b, b, k))
+    return out
+
+
+def _same_load(r: PointResult) -> tuple:
+    c = r.config
+    return (c.request_set, c.concurrency, c.temperature, c.max_tokens, c.structured)
+
+
+def measured_speedups(results: Iterable[PointResult], head: str) -> dict[tuple[float, int, int], float]:
+    """(temperature, concurrency, γ) -> this head's throughput / the baseline's at the same load (mean over
+    request sets), from closed-loop points with a fixed γ."""
+    results = list(results)
+    base = {_same_load(r): r.output_throughput for r in results
+            if r.config.method == "none" and exclusion(r) is None}
+    ratios: dict[tuple[float, int, int], list[float]] = {}
+    for r in results:
+        c = r.config
+        b = base.get(_same_load(r))
+        if c.method in MODEL_DRAFTERS and (c.head or c.method) == head and exclusion(r) is None and b:
+            ratios.setdefault((c.temperature, int(c.concurrency), int(c.gamma)), []).append(r.output_throughput / b)
+    return {k: float(np.mean(v)) for k, v in ratios.items()}
+
+
+def pick_head(obs: list[Observation], head: str | None) -> str:
+    counts: dict[str, int] = {}
+    for o in obs:
+        if o.gamma > 0:
+            counts[o.head] = counts.get(o.head, 0) + 1
+    if not counts:
+        raise ValueError("no EAGLE-3 point with acceptance counters in these results: the schedule needs the "
+                         f"baseline and the head measured at several concurrencies; {CALIBRATE_HINT}")
+    if head is None:
+        return max(sorted(counts), key=lambda h: counts[h])
+    if head not in counts:
+        raise ValueError(f"no EAGLE-3 points for head {head!r} in these results (measured: "
+                         f"{', '.join(sorted(counts))}); run `cartspec study --preset calibrate` with that head, "
+                         f"or --deployments baseline,eagle3:{head}:5")
+    return head
+
+
+def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_gamma: int = 5,
+                  max_batch: int = 64, min_speedup: float = 1.0, model: CostModel | None = None) -> TuneResult:
+    """The fastest γ per batch size 1..max_batch for ``head`` (default: the EAGLE-3 head with the most
+    points), measured where measured, predicted elsewhere. Raises ValueError saying what to measure."""
+    if max_gamma < 0 or max_batch < 1:
+        raise ValueError("max_gamma must be >= 0 and max_batch >= 1")
+    results = [r for r in results if r.status == "ok"]
+    obs = observations(results)
+    head = pick_head(obs, head)
+    mine = [o for o in obs if o.gamma > 0 and o.head == head]
+    model = model or fit_cost_model(results)
+    method = mine[0].result.config.method
+    temps = sorted({o.result.config.temperature for o in mine})
+    top = max(o.gamma for o in mine)
+    gammas = list(range(0, min(max_gamma, top) + 1))
+    notes = []
+    if max_gamma > top:
+        notes.append(f"γ above {top} not considered: acceptance beyond position {top} was never measured "
+                     f"(measure eagle3:{head}:{max_gamma})")
+    widest = max(int(o.result.config.concurrency) for o in obs)
+    if max_batch > widest:
+        notes.append(f"batch sizes above {widest} (the most concurrency measured) are the model's extrapolation")
+    # Request lengths at each temperature: sampled replies run longer or shorter than greedy ones.
+    lengths = {}
+    for t in temps:
+        at = [o for o in obs if o.result.config.temperature == t and (o.gamma == 0 or o.head == head)]
+        lengths[t] = (float(np.mean([o.prompt_tokens for o in at])), float(np.mean([o.output_tokens for o in at])))
+    measured = measured_speedups(results, head)
+
+    choices = []
+    for b in range(1, max_batch + 1):
+        thr: dict[int, float] = {}
+        speedup: dict[int, float] = {}
+        source: dict[int, str] = {}
+        for g in gammas:
+            per_t, model_thr, n_meas = [], [], 0
+            for t in temps:
+                p, n = lengths[t]
+                acc = acceptance_for(obs, head, t, g, b) if g else []
+                x = model.predict_throughput(b, g, acc, p, n)
+                x0 = model.predict_throughput(b, 0, [], p, n)
+                model_thr.append(x)
+                if g and (t, b, g) in measured:
+                    per_t.append(measured[(t, b, g)])
+                    n_meas += 1
+                else:
+                    per_t.append(x / x0)
+            thr[g] = float(np.mean(model_thr))
+            speedup[g] = float(np.mean(per_t))
+            source[g] = "measured" if n_meas == len(temps) else "mixed" if n_meas else "model"
+        best = max(gammas[1:], key=lambda g: (speedup[g], -g), default=0)
+        k = best if best and speedup[best] > min_speedup else 0
+        reason = "measured" if any(source[g] != "model" for g in gammas[1:]) else "model"
+        choices.append(BatchChoice(batch=b, k=k, reason=reason, predicted_throughput=thr, speedup=speedup,
+                                   source=source))
+    schedule = merge_schedule([c.k for c in choices])
+    if not any(k for *_, k in schedule):
+        notes.append(f"speculation with head {head!r} beats plain decoding at no batch size on this machine: "
+                     "the tuned deployment decodes plainly (method none)")
+    return TuneResult(head=head, method=method, temperatures=temps, gammas=gammas, max_batch=max_batch,
+                      min_speedup=min_speedup, schedule=schedule, choices=choices, cost_model=model, notes=notes)
+
+
+def base_spec(results: Iterable[PointResult], head: str) -> DeploymentSpec:
+    """The engine settings (model, dtype, limits, flags) the head was measured with, so that the tuned
+    deployment runs as the measurements did."""
+    for r in results:
+        if r.config.head == head and r.config.spec:
+            try:
+                return DeploymentSpec.model_validate(r.config.spec).model_copy(update={"speculative": Speculative()})
+            except ValueError:
+                continue
+    return DeploymentSpec()
+
+
+def tune_json_path(spec_path: str | Path) -> Path:
+    """``spec.yaml`` -> ``spec.tune.json``: the reasons travel beside the spec."""
+    return Path(spec_path).with_suffix(".tune.json")
+
+
+def save_tuned(result: TuneResult, spec: DeploymentSpec, out: str | Path) -> tuple[Path, Path]:
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return spec.save(out), result.save(tune_json_path(out))

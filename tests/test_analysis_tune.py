@@ -1,0 +1,132 @@
+"""`cartspec tune`: γ per batch size where the measurements and the cost model say it is fastest."""
+
+from __future__ import annotations
+
+import pytest
+from synthetic_sweep import StepCosts, point, sweep, write_run
+from typer.testing import CliRunner
+
+from cartspec.analysis.tune import TuneResult, merge_schedule, tune_json_path, tune_schedule
+from cartspec.cli import app
+from cartspec.serving.spec import DeploymentSpec
+
+# Speculation pays while the step's fixed cost dominates (b <= 4) and loses once drafting for every
+# sequence costs more than the accepted tokens save (b >= 5).
+WINS_SMALL = StepCosts(alpha=0.02, beta=0.002, delta=0.0005, epsilon=0.004, pi=0.0004)
+HIGH_ACCEPT = {0.0: [0.98, 0.97, 0.96], 0.5: [0.95, 0.93, 0.9]}
+# A step's fixed cost large enough that five drafted tokens pay at one stream.
+OVERHEAD_BOUND = StepCosts(alpha=0.03, beta=0.002, delta=0.001, epsilon=0.001, pi=0.0004)
+LONG_ACCEPT = {0.0: [0.95, 0.9, 0.85, 0.8, 0.75], 0.5: [0.85, 0.75, 0.65, 0.55, 0.45]}
+# Drafting dearer than verifying: a head that never pays.
+DRAFT_BOUND = StepCosts(alpha=0.005, beta=0.002, delta=0.01, epsilon=0.01, pi=0.0004)
+
+
+def wins_small_run(**kw):
+    return sweep(WINS_SMALL, deployments=(("none", 0), ("eagle3", 3)), accept=HIGH_ACCEPT, **kw)
+
+
+def test_schedule_speculates_where_it_pays_and_turns_off_under_load():
+    res = tune_schedule(wins_small_run())
+    assert res.schedule == [(1, 4, 3), (5, 64, 0)]
+    assert res.head == "domain" and res.gammas == [0, 1, 2, 3] and res.temperatures == [0.0, 0.5]
+    by = {c.batch: c for c in res.choices}
+    assert [by[b].reason for b in (1, 2, 3, 4, 8, 12)] == ["measured", "measured", "model", "measured", "measured",
+                                                           "model"]
+    assert by[1].speedup[3] > by[4].speedup[3] > 1 > by[5].speedup[3]
+    assert by[1].source[3] == "measured" and by[1].source[2] == "model"
+    assert any("acceptance beyond position 3 was never measured" in n for n in res.notes)
+    spec = res.deployment()
+    assert spec.speculative.method == "eagle3" and spec.speculative.num_speculative_tokens == 3
+    assert spec.speculative.vllm_config("/heads/domain")["num_speculative_tokens_per_batch_size"] == [[1, 4, 3],
+                                                                                                      [5, 64, 0]]
+
+
+def test_the_longest_gamma_wins_at_one_stream_and_gamma_falls_as_the_batch_grows():
+    res = tune_schedule(sweep(OVERHEAD_BOUND, accept=LONG_ACCEPT))
+    ks = [k for *_, k in res.schedule]
+    assert res.schedule[0][:1] == (1,) and ks[0] == 5 and ks[-1] == 0
+    assert ks == sorted(ks, reverse=True) and len(set(ks)) == len(ks)
+    assert res.schedule[0][1] >= 2 and res.schedule[-1][0] <= 32  # γ=5 beyond one stream, off before 32
+
+
+def test_a_measured_ratio_overrides_the_model_at_its_own_concurrency():
+    """At 8 streams the head measured 1.5× faster than the model predicts: the measurement decides there."""
+    results = [point(WINS_SMALL, r.config.method, r.config.gamma or 0, r.config.concurrency, r.config.temperature,
+                     accept=HIGH_ACCEPT, noise=1.5 if (r.config.method, r.config.concurrency) == ("eagle3", 8) else 1.0)
+               for r in wins_small_run()]
+    res = tune_schedule(results)
+    by = {c.batch: c for c in res.choices}
+    assert by[8].k == 3 and by[8].reason == "measured" and by[8].source[3] == "measured"
+    assert by[8].speedup[3] > 1.1 and by[8].predicted_throughput[3] < by[8].predicted_throughput[0]
+    assert by[7].k == 0 and by[9].k == 0 and by[16].k == 0
+    assert (8, 8, 3) in res.schedule
+
+
+def test_adjacent_batch_sizes_with_the_same_gamma_merge_into_one_range():
+    assert merge_schedule([5, 3, 3, 3, 0, 0, 3]) == [(1, 1, 5), (2, 4, 3), (5, 6, 0), (7, 7, 3)]
+    assert merge_schedule([0] * 64) == [(1, 64, 0)]
+    res = tune_schedule(wins_small_run(), max_batch=10)
+    ranges = res.schedule
+    assert ranges[0][0] == 1 and ranges[-1][1] == 10
+    assert all(a[1] + 1 == b[0] and a[2] != b[2] for a, b in zip(ranges, ranges[1:]))  # contiguous, merged
+
+
+def test_when_speculation_never_pays_the_spec_decodes_plainly():
+    res = tune_schedule(sweep(DRAFT_BOUND, deployments=(("none", 0), ("eagle3", 3)), accept=HIGH_ACCEPT))
+    assert res.schedule == [(1, 64, 0)] and not res.speculates
+    assert res.deployment().speculative.method == "none"
+    assert any("decodes plainly" in n for n in res.notes)
+
+
+def test_min_speedup_keeps_marginal_gains_off():
+    res = tune_schedule(wins_small_run(), min_speedup=1.2)
+    assert res.schedule[0] == (1, 3, 3) and res.schedule[-1][2] == 0  # b=4 gains under 20%: off
+
+
+def test_the_head_with_most_points_is_tuned_unless_one_is_named():
+    results = wins_small_run() + [point(WINS_SMALL, "eagle3", 3, c, 0.0, head="generic", accept=HIGH_ACCEPT)
+                                  for c in (1, 8)]
+    assert tune_schedule(results).head == "domain"
+    assert tune_schedule(results, head="generic").head == "generic"
+    with pytest.raises(ValueError, match="no EAGLE-3 points for head 'other'.*domain, generic"):
+        tune_schedule(results, head="other")
+
+
+def test_cartspec_tune_writes_a_spec_that_loads_and_reaches_vllm(tmp_path):
+    run = write_run(tmp_path / "run", wins_small_run())
+    out = tmp_path / "spec.yaml"
+    res = CliRunner().invoke(app, ["tune", "--run", str(run), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    spec = DeploymentSpec.load(out)
+    assert spec.speculative.method == "eagle3" and spec.speculative.model == "domain"
+    assert spec.speculative.schedule == [(1, 4, 3), (5, 64, 0)]
+    assert spec.dtype == "float32"  # the engine settings the head was measured with
+    assert spec.speculative.vllm_config("/heads/domain")["num_speculative_tokens_per_batch_size"] == [[1, 4, 3],
+                                                                                                      [5, 64, 0]]
+    tuned = TuneResult.load(tune_json_path(out))
+    assert tune_json_path(out).name == "spec.tune.json"
+    assert tuned.schedule == [(1, 4, 3), (5, 64, 0)] and tuned.cost_model.n_points == 24
+    assert tuned.choices[0].predicted_throughput[3] > tuned.choices[0].predicted_throughput[0]
+    for text in ("1–4", "5–64", "0 (off)", "measured at 1,2,4", "leave-one-out"):
+        assert text in res.output, text
+
+
+def test_cartspec_tune_writes_plain_decoding_when_speculation_never_pays(tmp_path):
+    run = write_run(tmp_path / "run", sweep(DRAFT_BOUND, deployments=(("none", 0), ("eagle3", 3)),
+                                            accept=HIGH_ACCEPT))
+    res = CliRunner().invoke(app, ["tune", "--run", str(run)])
+    assert res.exit_code == 0, res.output
+    assert "method none" in res.output
+    spec = DeploymentSpec.load(run / "tuned.yaml")
+    assert spec.speculative.method == "none" and spec.speculative.vllm_config() is None
+
+
+def test_cartspec_tune_says_which_command_to_run(tmp_path):
+    res = CliRunner().invoke(app, ["tune", "--run", str(tmp_path / "nothing")])
+    assert res.exit_code == 2 and "no results.jsonl" in res.output and "cartspec study" in res.output
+    run = write_run(tmp_path / "baseline", sweep(deployments=(("none", 0),)))
+    res = CliRunner().invoke(app, ["tune", "--run", str(run)])
+    assert res.exit_code == 2 and "cartspec study --preset calibrate" in res.output
+    run = write_run(tmp_path / "domain", wins_small_run())
+    res = CliRunner().invoke(app, ["tune", "--run", str(run), "--head", "generic"])
+    assert res.exit_code == 2 and "no EAGLE-3 points for head 'generic'" in res.output

@@ -1,0 +1,83 @@
+"""An adaptive deployment (``eagle3:HEAD:auto``) gets the schedule tuned for this machine: from the
+cache, else from the run's own points, else from a calibration; a study that cannot tune it records
+why and goes on."""
+
+from __future__ import annotations
+
+import pytest
+
+from cartspec.bench import adaptive
+from cartspec.bench.plan import parse_deployment, preset
+from cartspec.bench.results import load_results
+from synthetic_sweep import sweep, write_run
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CARTSPEC_HOME", str(tmp_path / "home"))
+    # the key names this machine, model and head; no real model is resolved in a unit test
+    monkeypatch.setattr(adaptive, "cache_key", lambda spec: f"k-{spec.speculative.model}-{spec.dtype}")
+    return tmp_path / "home"
+
+
+def _calibrate_never(spec, out):
+    raise AssertionError("calibration should not run")
+
+
+def test_auto_label_reads_as_an_adaptive_eagle3_deployment():
+    spec = parse_deployment("eagle3:domain:auto", "commerce")
+    assert spec.speculative.adaptive and spec.speculative.model == "domain"
+    assert spec.label == "eagle3-domain-auto"
+    assert spec.label in {d.label for d in preset("paper").deployments}
+
+
+def test_the_runs_own_points_tune_it_and_the_schedule_is_cached(home, tmp_path):
+    run = write_run(tmp_path / "run", sweep())
+    spec = parse_deployment("eagle3:domain:auto", "commerce").model_copy(update={"dtype": "float32"})
+    tuned = adaptive.resolve_adaptive(spec, run, _calibrate_never, log=lambda m: None)
+    sched = tuned.speculative.schedule
+    assert sched[0][0] == 1 and sched[-1][1] == spec.max_num_seqs
+    assert tuned.speculative.num_speculative_tokens == max(max(k for *_, k in sched), 1)
+    assert tuned.label == "eagle3-domain-auto"  # still the adaptive row in the report
+    # The synthetic CPU-like machine: speculation pays at one stream, not at 32.
+    assert tuned.speculative.gamma_at(1) > 0 and tuned.speculative.gamma_at(32) == 0
+    # A second study (no points of its own) reuses the cache: same schedule, no calibration.
+    again = adaptive.resolve_adaptive(spec, tmp_path / "empty-run", _calibrate_never, log=lambda m: None)
+    assert again.speculative.schedule == sched
+
+
+def test_without_points_it_calibrates_first(home, tmp_path):
+    calls = []
+
+    def calibrate(spec, out):
+        calls.append(out)
+        return sweep(concurrencies=(1, 4, 16), temperatures=(0.0,), deployments=(("none", 0), ("eagle3", 5)))
+
+    spec = parse_deployment("eagle3:domain:auto", "commerce").model_copy(update={"dtype": "float32"})
+    tuned = adaptive.resolve_adaptive(spec, tmp_path / "empty-run", calibrate, log=lambda m: None)
+    assert len(calls) == 1 and "calibrate" in calls[0].name
+    assert tuned.speculative.schedule and tuned.speculative.gamma_at(1) > 0
+
+
+def test_an_adaptive_deployment_that_cannot_be_tuned_is_recorded_failed(home, tmp_path, monkeypatch):
+    import cartspec.bench.sweep as sweep_mod
+    from cartspec.bench.sweep import SweepPlan, run_sweep
+
+    def calibrate_fails(spec, out):
+        raise RuntimeError("calibration deployment did not start: no head")
+
+    plan = SweepPlan(deployments=[parse_deployment("eagle3:domain:auto", "commerce")], concurrencies=[1, 4],
+                     n_requests=2)
+    monkeypatch.setattr(sweep_mod, "_tuned", lambda plan, spec, out, launcher, reporter: adaptive.resolve_adaptive(
+        spec, out, calibrate_fails, log=lambda m: None))
+    results = run_sweep(plan, tmp_path / "run")
+    assert len(results) == 2 and all(r.status == "failed" for r in results)
+    assert all("adaptive schedule could not be tuned" in r.reason and "no head" in r.reason for r in results)
+    assert len(load_results(tmp_path / "run")) == 2
+
+
+def test_calibrate_preset_measures_what_the_cost_model_needs():
+    plan = preset("calibrate")
+    assert [d.label for d in plan.deployments] == ["baseline", "eagle3-domain-g5"]
+    assert plan.concurrencies == [1, 4, 16]
+    assert len(plan.all_points()) == 6
