@@ -1,16 +1,20 @@
 """The commerce agent service: an HTTP API in front of vLLM deployments.
 
 ``create_app(config, upstream)`` builds the FastAPI app; ``cartspec serve``
-brings up a deployment and the app together. Modules, in request order:
-config (typed settings), cache (hot replies), router (which deployment),
-upstream (deployments and their health), metrics (Prometheus), trace (JSONL
-per request), app (validation, retries, error mapping).
+brings up a deployment (or two: ``--plain``) and the app together. Modules,
+in request order: config (typed settings), cache (hot replies), router (which
+deployment), fallback (away from a draft that stopped paying, and back),
+admission (refuse what would wait too long), upstream (deployments, their
+health and throughput), acceptance (one definition of it), metrics
+(Prometheus), trace (JSONL per request), app (validation, retries, error
+mapping), wiring and cli (``cartspec serve``).
 """
 
-from .config import AgentConfig, CacheConfig, RouterConfig
+from .config import AdmissionConfig, AgentConfig, CacheConfig, FallbackConfig, RouterConfig
 from .upstream import Upstream, Upstreams
 
-__all__ = ["AgentConfig", "CacheConfig", "RouterConfig", "Upstream", "Upstreams", "create_app"]
+__all__ = ["AdmissionConfig", "AgentConfig", "CacheConfig", "FallbackConfig", "RouterConfig", "Upstream",
+           "Upstreams", "create_app"]
 
 
 def create_app(config: AgentConfig | None = None, upstream=None):  # noqa: D401 - lazy import keeps CLI help fast

@@ -6,8 +6,12 @@
 deployment answers), ``GET /metrics`` (Prometheus), ``GET /v1/info`` (what runs).
 
 Every error is ``{"error": {"type", "reason", "request_id"}}`` with a 4xx for
-what the caller can fix and a 5xx for what the deployment did. Each request
-writes one trace line and updates the metrics, whatever its outcome.
+what the caller can fix and a 5xx for what the deployment did; with admission
+control on, 503 ``overloaded`` (and ``Retry-After``) for a request that would
+wait past the bound. Each request writes one trace line and updates the
+metrics, whatever its outcome. Headers: ``X-Cartspec-Route`` (target; reason,
+e.g. ``plain; reason=acceptance-fallback; acceptance=0.012``),
+``X-Cartspec-Deployment``, ``X-Cartspec-Cache``, ``Server-Timing``.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,11 +39,14 @@ from ..task.data import Turn
 from ..task.parse import read_reply
 from ..task.prompts import messages as task_messages
 from ..task.schema import SearchParams, SupportReply, json_schema
+from .acceptance import reply_stats
+from .admission import Admission, Throughput
 from .cache import CoalescedCancelled, HotCache, request_key
 from .config import AgentConfig
+from .fallback import AcceptanceFallback, Switch
 from .metrics import AgentMetrics
 from .router import RouteDecision, Router
-from .trace import SpecTrace, Timing, TraceRecord, TraceWriter
+from .trace import AdmissionTrace, FallbackTrace, SpecTrace, Timing, TraceRecord, TraceWriter
 from .upstream import Upstream, Upstreams, UpstreamUnavailable
 
 log = logging.getLogger("cartspec.agent")
@@ -95,6 +103,19 @@ class Answer:
     timing: Timing = field(default_factory=Timing)
 
 
+def make_fallback(config: AgentConfig, upstreams: Upstreams) -> AcceptanceFallback | None:
+    """The acceptance fallback, on when asked or, by default, when there is a plain deployment to fall back to."""
+    both = {"speculative", "plain"} <= set(upstreams.by_target)
+    if config.fallback.enabled is False:
+        return None
+    if not both:
+        if config.fallback.enabled:
+            log.warning("fallback.enabled, but the agent has only the %s deployment: nothing to fall back to",
+                        next(iter(upstreams.by_target)))
+        return None
+    return AcceptanceFallback(config.fallback)
+
+
 class Agent:
     """What the routes share: config, deployments, cache, router, metrics, trace."""
 
@@ -102,7 +123,9 @@ class Agent:
         self.config = config
         self.upstreams = upstreams
         self.cache = HotCache(config.cache)
-        self.router = Router(config.router, set(upstreams.by_target))
+        self.fallback = make_fallback(config, upstreams)
+        self.router = Router(config.router, set(upstreams.by_target), self.fallback)
+        self.admission = Admission(config.admission) if config.admission.enabled else None
         self.metrics = AgentMetrics()
         self.trace = TraceWriter(config.trace_path, config.trace_max_bytes)
         self.schemas = {"search": json_schema("search"), "support": json_schema("support")}
@@ -113,6 +136,17 @@ class Agent:
             m.upstream_up.labels(target).set_function(lambda up=up: 1.0 if up.health.up else 0.0)
             m.build.labels(target).info({"label": up.label, "url": up.base_url, "model": up.model,
                                          **{k: str(v) for k, v in up.info.get("versions", {}).items()}})
+            up.throughput = Throughput(config.admission.window_completions, config.admission.window_s)
+            if self.admission:
+                m.expected_latency.labels(target).set_function(lambda up=up: _or_nan(
+                    self.admission.estimate(up.waiting, up.inflight, up.throughput).expected_s))
+        if self.fallback:
+            fb = self.fallback
+            m.fallback_state.labels("speculative").set_function(lambda: 1.0 if fb.state == "fallback" else 0.0)
+            m.rolling_acceptance.labels("speculative").set_function(lambda: _or_nan(fb.rate))
+            m.rolling_observed.labels("speculative").set_function(lambda: len(fb.window))
+            for direction in ("to_fallback", "to_speculative"):  # 0 from the start: rate() needs a first sample
+                m.fallback_switches.labels("speculative", direction)
 
     # --- input ------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -189,10 +223,31 @@ class Agent:
         decision = self.router.decide(task, query, load, self.upstreams.up())
         return decision, self.upstreams[decision.target]
 
+    def admit(self, endpoint: str, target: str, up: Upstream, rec: TraceRecord) -> None:
+        """Raise 503 overloaded when the request would wait past the bound (admission control on)."""
+        if self.admission is None:
+            return
+        est = self.admission.estimate(up.waiting, up.inflight, up.throughput)
+        verdict = self.admission.check(est, f"{target} ({up.label})")
+        rec.admission = AdmissionTrace(admitted=verdict.admit, expected_s=est.expected_s, queued=est.queued,
+                                       inflight=est.inflight, rate=est.rate)
+        if not verdict.admit:
+            self.metrics.admission_rejected.labels(endpoint, target).inc()
+            raise ApiError(503, "overloaded", verdict.reason, {"Retry-After": str(verdict.retry_after_s)})
+
+    def switched(self, switch: Switch) -> None:
+        self.metrics.fallback_switches.labels("speculative", switch.direction).inc()
+        level = logging.WARNING if switch.to == "fallback" else logging.INFO
+        log.log(level, "%s (target speculative: %s; plain: %s)", switch.describe(),
+                self.upstreams["speculative"].label, self.upstreams["plain"].label)
+
     async def answer(self, endpoint: str, task: str, req: TaskRequest, rec: TraceRecord) -> Answer:
         decision, up = self.route(task, req.query)
         self.metrics.routes.labels(endpoint, decision.target, decision.reason).inc()
         rec.route, rec.route_reason, rec.deployment = decision.target, decision.reason, up.label
+        if decision.fallback is not None:
+            rec.fallback = FallbackTrace(**asdict(decision.fallback))
+        self.admit(endpoint, decision.target, up, rec)
         # Timing goes straight into the trace record, so a failed request still shows where its time went.
         ans = Answer(value={}, decision=decision, deployment=up.label, timing=rec.timing)
         msgs = task_messages(req)
@@ -231,7 +286,12 @@ class Agent:
             rec.output_tokens, rec.finish_reason = comp.output_tokens, comp.finish_reason
             rec.spec = SpecTrace.from_vllm(comp.spec)
             self.metrics.output_tokens.labels(decision.target).inc(comp.output_tokens)
-            self.metrics.observe_spec(decision.target, comp.spec)
+            stats = reply_stats(comp.spec)
+            self.metrics.observe_spec(decision.target, stats)
+            if self.fallback is not None and decision.target == "speculative":
+                switch = self.fallback.observe(stats)
+                if switch is not None:
+                    self.switched(switch)
 
             t1 = time.perf_counter()
             reading = read_reply(task, comp.text)
@@ -257,6 +317,10 @@ class Agent:
             return ans
         raise InvalidModelOutput(f"the model's reply is not a valid {task} object after {len(plan)} "
                                  f"attempt(s), the last constrained to the schema: {last_error}")
+
+
+def _or_nan(x: float | None) -> float:
+    return math.nan if x is None else x
 
 
 def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream | str | None = None) -> FastAPI:

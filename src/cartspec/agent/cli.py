@@ -1,8 +1,10 @@
-"""``cartspec serve``: the target deployment and the agent, in one command."""
+"""``cartspec serve``: the target deployment(s) and the agent, in one command."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -15,7 +17,7 @@ if TYPE_CHECKING:
 console = Console(stderr=True)
 
 
-def default_spec(model: str, head: str, gamma: int, enforce_eager: bool) -> "DeploymentSpec":
+def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: str = "auto") -> "DeploymentSpec":
     """The deployment ``serve`` runs: the commerce target; EAGLE-3 with the domain
     head at γ=3 when the head is there (the study's best γ), otherwise no speculation."""
     from ..model.convert import ModelNotFound
@@ -33,39 +35,55 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool) -> "Dep
                 raise
             console.print(f"[yellow]no domain head ({exc}); serving without speculation[/]")
     # Per-request timing metrics give the trace vLLM's own queue time and TTFT.
-    return DeploymentSpec(model=model, speculative=speculative, enforce_eager=enforce_eager,
+    return DeploymentSpec(model=model, speculative=speculative, enforce_eager=enforce_eager, dtype=dtype,
                           engine_args=["--enable-per-request-metrics"])
 
 
 class Keeper(threading.Thread):
     """Restarts a deployment that died (crash, OOM kill); the agent answers 503
-    meanwhile and follows it back up through its health probe."""
+    meanwhile (or routes to the other deployment) and follows it back up
+    through its health probe. One thread for all deployments: two vLLMs
+    (re)starting at once on two cores would each take twice as long."""
 
-    def __init__(self, server, every_s: float = 2.0):
+    def __init__(self, servers, every_s: float = 2.0):
         super().__init__(daemon=True, name="vllm-keeper")
-        self.server, self.every_s = server, every_s
+        self.servers = list(servers) if isinstance(servers, (list, tuple)) else [servers]
+        self.every_s = every_s
         self.stopping = threading.Event()
         self.restarts = 0
+        self._retry_at = {id(s): 0.0 for s in self.servers}
+        self._backoff = {id(s): 5.0 for s in self.servers}
+
+    @property
+    def server(self):  # the one deployment of a single-deployment serve
+        return self.servers[0]
 
     def run(self) -> None:
-        from ..serving.server import DeploymentError
-
-        backoff = 5.0
         while not self.stopping.wait(self.every_s):
-            if self.server.alive():
-                backoff = 5.0
-                continue
-            console.print(f"[yellow]vLLM exited; restarting it (log: {self.server.log_path})[/]")
-            try:
-                self.server.restart()
-                self.restarts += 1
-                console.print(f"[green]vLLM back at {self.server.url}[/]")
-            except DeploymentError as exc:
+            for server in self.servers:
                 if self.stopping.is_set():
                     return
-                console.print(f"[red]restart failed: {exc.reason}; next try in {backoff:.0f}s[/]")
-                self.stopping.wait(backoff)
-                backoff = min(backoff * 2, 120.0)
+                if server.alive():
+                    self._backoff[id(server)] = 5.0
+                elif time.monotonic() >= self._retry_at[id(server)]:
+                    self._restart(server)
+
+    def _restart(self, server) -> None:
+        from ..serving.server import DeploymentError
+
+        console.print(f"[yellow]vLLM {server.spec.label} exited; restarting it (log: {server.log_path})[/]")
+        try:
+            server.restart()
+            self.restarts += 1
+            console.print(f"[green]vLLM {server.spec.label} back at {server.url}[/]")
+        except DeploymentError as exc:
+            if self.stopping.is_set():
+                return
+            backoff = self._backoff[id(server)]
+            console.print(f"[red]restart of {server.spec.label} failed: {exc.reason}; next try in {backoff:.0f}s[/]")
+            # A deadline, not a sleep: the other deployment stays watched meanwhile.
+            self._retry_at[id(server)] = time.monotonic() + backoff
+            self._backoff[id(server)] = min(backoff * 2, 120.0)
 
 
 def serve(
@@ -78,6 +96,26 @@ def serve(
     served_name: str = typer.Option("cartspec", help="model name on --upstream"),
     label: str = typer.Option("external", help="what runs on --upstream (e.g. eagle3-domain-g3, or baseline "
                               "for no speculation), for headers and metrics"),
+    plain: bool = typer.Option(False, "--plain", help="also start a plain deployment (no speculation) of the same "
+                               "target beside the speculative one, so the router and the acceptance fallback "
+                               "have a second target. Both vLLMs share this machine's cores (2 on the study "
+                               "machine) and memory (a KV cache each): each decodes slower than alone, start-up "
+                               "takes about twice as long. With --upstream: a plain deployment of --model"),
+    plain_upstream: Optional[str] = typer.Option(None, help="use this running server as the plain deployment "
+                                                 "(no speculation); start none"),
+    plain_served_name: str = typer.Option("cartspec", help="model name on --plain-upstream"),
+    router: Optional[bool] = typer.Option(None, "--router/--no-router", help="route by expected reply length "
+                                          "and load between the two deployments (default: on with two, unless "
+                                          "--config sets router.enabled)"),
+    fallback: Optional[bool] = typer.Option(None, "--fallback/--no-fallback", help="acceptance fallback: route "
+                                            "to plain while the rolling acceptance is under fallback.threshold, "
+                                            "probing the speculative one (default: on with two deployments)"),
+    admission_max_wait: Optional[float] = typer.Option(None, "--admission-max-wait", metavar="S",
+                                                       help="admission control: answer 503 with Retry-After, at "
+                                                       "once, when a request's expected latency (Little's law "
+                                                       "over recent completions) is over S seconds; cache hits "
+                                                       "and an idle deployment always pass; 0: off (default: "
+                                                       "--config's admission, else off)"),
     config: Optional[Path] = typer.Option(None, help="an AgentConfig file (YAML/TOML/JSON)"),
     host: Optional[str] = typer.Option(None, help="bind address (default 127.0.0.1)"),
     port: Optional[int] = typer.Option(None, help="agent port (default 8080)"),
@@ -88,15 +126,20 @@ def serve(
                                               help="constrain replies with vLLM structured outputs (default on)"),
     log_dir: Path = typer.Option(Path("runs/logs"), help="vLLM logs"),
     enforce_eager: bool = typer.Option(False, help="skip torch.compile: faster start, slower decode"),
+    dtype: str = typer.Option("auto", help="serving dtype: auto (float32 on a CPU without native bf16, else "
+                                           "bfloat16) | bfloat16 | float32 | float16; a --spec file's own wins "
+                                           "unless this is set"),
     restart: bool = typer.Option(True, help="restart vLLM if it dies"),
 ) -> None:
-    """Serve the commerce agent (search parameters, support replies) on a vLLM deployment."""
+    """Serve the commerce agent (search parameters, support replies) on a vLLM deployment,
+    or on two (--plain): speculative and plain, with the router and the acceptance fallback."""
     import uvicorn
 
     from ..model.convert import ModelNotFound
     from ..serving.server import DeploymentError, VllmServer
     from ..serving.spec import DeploymentSpec
-    from . import AgentConfig, Upstream, Upstreams, create_app
+    from . import AgentConfig, create_app
+    from .wiring import apply_flags, build_upstreams
 
     cfg = AgentConfig.load(config) if config else AgentConfig()
     overrides = {k: v for k, v in dict(host=host, port=port, api_key=api_key, trace_path=trace,
@@ -107,30 +150,43 @@ def serve(
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
         console.print(f"[yellow]binding {cfg.host} without an API key: anyone who reaches it can use it[/]")
 
-    server = keeper = None
+    _log_to_stderr()
+    servers: list[VllmServer] = []
+    keeper = None
+
+    def start(spec: DeploymentSpec) -> VllmServer:
+        server = VllmServer(spec, log_dir=log_dir)
+        servers.append(server)
+        console.print(f"starting vLLM: {spec.model}, {spec.label} (a minute or two on CPU; log {server.log_path})")
+        server.start()
+        console.print(f"vLLM ready at {server.url} ({server.info().versions.get('vllm')}, {spec.label})")
+        return server
+
     try:
-        if upstream:
-            up = Upstream(upstream, model=served_name, label=label, info={"url": upstream})
-        else:
-            try:
-                spec = DeploymentSpec.load(spec_file) if spec_file else default_spec(model, head, gamma,
-                                                                                     enforce_eager)
-                server = VllmServer(spec, log_dir=log_dir)
-                console.print(f"starting vLLM: {spec.model}, {spec.label} (a minute or two on CPU; "
-                              f"log {server.log_path})")
-                server.start()
-            except (DeploymentError, ModelNotFound, FileNotFoundError, ValueError) as exc:
-                console.print(f"[bold red]error:[/] {exc}")
-                raise typer.Exit(2) from None
-            info = server.info()
-            up = Upstream(server.url, model=spec.name, label=spec.label,
-                          info={"spec": info.spec, "versions": info.versions})
-            console.print(f"vLLM ready at {server.url} ({info.versions.get('vllm')}, {spec.label})")
-            if restart:
-                keeper = Keeper(server)
-                keeper.start()
-        # A deployment without speculation is the plain target (spec label "baseline").
-        app = create_app(cfg, Upstreams(plain=up) if up.label == "baseline" else Upstreams(speculative=up))
+        try:
+            spec = None
+            if spec_file:
+                spec = DeploymentSpec.load(spec_file)
+                spec = spec.model_copy(update={"dtype": dtype}) if dtype != "auto" else spec
+            elif not upstream:
+                spec = default_spec(model, head, gamma, enforce_eager, dtype)
+            elif plain and not plain_upstream:  # only its target matters: it runs without speculation
+                spec = default_spec(model, "none", gamma, enforce_eager, dtype)
+            ups = build_upstreams(spec, start, upstream=upstream, served_name=served_name, label=label,
+                                  plain=plain, plain_upstream=plain_upstream, plain_served_name=plain_served_name)
+        except (DeploymentError, ModelNotFound, FileNotFoundError, ValueError) as exc:
+            console.print(f"[bold red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+        if servers and restart:
+            keeper = Keeper(servers)
+            keeper.start()
+        cfg = apply_flags(cfg, ups, router=router, fallback=fallback, admission_max_wait=admission_max_wait)
+        app = create_app(cfg, ups)
+        agent = app.state.agent
+        console.print("targets: " + ", ".join(f"{t} {u.label} at {u.base_url}" for t, u in ups.items())
+                      + f"; router {'on (' + cfg.router.policy + ')' if cfg.router.enabled else 'off'}"
+                      + f"; acceptance fallback {'on' if agent.fallback else 'off'}"
+                      + f"; admission {f'on (max wait {cfg.admission.max_wait_s:g}s)' if agent.admission else 'off'}")
         console.print(f"[green]agent on http://{cfg.host}:{cfg.port}[/]  try:\n"
                       f"  curl -s http://{cfg.host}:{cfg.port}/v1/search -H 'content-type: application/json' "
                       "-d '{\"query\": \"red trail runners under $120, size 10, no nike\"}'")
@@ -138,5 +194,15 @@ def serve(
     finally:
         if keeper:
             keeper.stopping.set()
-        if server:
+        for server in servers:
             server.stop()
+
+
+def _log_to_stderr() -> None:
+    """Fallback switches are logged at INFO (recovery) and WARNING: show both, once, beside uvicorn's."""
+    logger = logging.getLogger("cartspec.agent")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)

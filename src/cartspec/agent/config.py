@@ -42,6 +42,75 @@ class RouterConfig(BaseModel):
     ema_alpha: float = Field(0.1, gt=0, le=1, description="weight of each observed reply length")
 
 
+class FallbackConfig(BaseModel):
+    """Acceptance fallback ("rollback") between the speculative and the plain deployment.
+
+    A draft head that stops matching the target (a new adapter, drifted traffic)
+    makes speculation slower than none: the generic head's 1% acceptance ran at
+    x0.39..0.83 of the baseline here. The agent keeps a rolling acceptance rate
+    (accepted / drafted tokens over the last ``window_requests`` speculative
+    replies); below ``threshold`` it routes to the plain deployment and sends
+    every k-th request (k = 1 / ``probe_share``) to the speculative one as a
+    probe; once the probes' rolling rate is above ``recover_threshold`` it
+    routes there again. The gap between the two thresholds keeps a rate that
+    hovers near one of them from switching back and forth.
+
+    ``enabled``: None (default) turns it on exactly when the agent has both a
+    speculative and a plain deployment; with one there is nothing to fall back to.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool | None = None
+    threshold: float = Field(0.3, ge=0, le=1, description="rolling acceptance under this -> fallback")
+    recover_threshold: float = Field(0.5, ge=0, le=1, description="probes' rolling acceptance over this -> back")
+    window_requests: int = Field(32, ge=1, description="replies in the rolling window (token-weighted rate)")
+    min_requests: int = Field(8, ge=1, description="replies with drafts needed before either switch")
+    probe_share: float = Field(0.1, gt=0, le=1, description="share of fallback traffic sent as probes")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FallbackConfig":
+        if self.recover_threshold <= self.threshold:
+            raise ValueError("recover_threshold must be above threshold (hysteresis)")
+        if self.min_requests > self.window_requests:
+            raise ValueError("min_requests must be <= window_requests")
+        return self
+
+
+class AdmissionConfig(BaseModel):
+    """Admission control: refuse at once what would wait too long, instead of queueing it.
+
+    Off by default. On, a request that reaches the model (cache hits never do)
+    is answered 503 ``overloaded`` with ``Retry-After`` when its expected
+    latency at the chosen deployment is over ``max_wait_s``. The estimate is
+    Little's law over observed completions: with L model calls queued and in
+    flight there and lambda calls completed per busy second (last
+    ``window_completions`` completions within ``window_s``), a new request
+    takes about (L + 1) / lambda (``admission.py``). Admitted requests then
+    take about ``max_wait_s`` at worst when the deployment is saturated, so
+    set it at or a little under the latency SLO, and above twice the latency
+    of a single request. Without it, 64 clients on one CPU deployment waited
+    7.8 s at p50 against a 2 s SLO: every request late instead of some refused.
+    A deployment with nothing queued or in flight always admits, and so does
+    one with too few completions to measure (``min_completions``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    max_wait_s: float = Field(2.0, gt=0, description="expected queue + service time bound (the latency SLO)")
+    retry_after_s: float = Field(1.0, ge=0, description="the least Retry-After a refusal says")
+    window_completions: int = Field(32, ge=2, description="completions the throughput is measured over")
+    window_s: float = Field(30.0, gt=0, description="completions older than this are forgotten")
+    min_completions: int = Field(4, ge=2, description="fewer in the window: no estimate, admit")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AdmissionConfig":
+        if self.min_completions > self.window_completions:
+            raise ValueError("min_completions must be <= window_completions")
+        return self
+
+
 class AgentConfig(FileModel):
     """Everything the agent service needs besides its upstream deployments."""
 
@@ -66,6 +135,8 @@ class AgentConfig(FileModel):
     trace_max_bytes: int = Field(256 * 1024 * 1024, description="rotated to .1 past this size")
     cache: CacheConfig = Field(default_factory=CacheConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
+    fallback: FallbackConfig = Field(default_factory=FallbackConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "AgentConfig":
@@ -75,7 +146,6 @@ class AgentConfig(FileModel):
             if task not in self.max_tokens:
                 raise ValueError(f"max_tokens needs an entry for {task!r}")
         return self
-
 
     def public(self) -> dict:
         """The settings as /v1/info shows them: never the key."""

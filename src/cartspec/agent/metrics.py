@@ -1,17 +1,17 @@
 """Prometheus metrics of one agent app, in its own registry (two apps in one
 process, as in tests, never share counters).
 
-Acceptance follows design.md §6: rate = accepted / proposed draft tokens;
-τ = 1 + accepted / drafts (verify steps). Both come from vLLM's per-request
-speculative metrics, summed per deployment, so they describe exactly the
-traffic this agent sent, not the server's lifetime.
+Acceptance follows design.md §6 (``acceptance.py``): rate = accepted / proposed
+draft tokens; τ = 1 + accepted / drafts (verify steps). Both come from vLLM's
+per-request speculative metrics, summed per deployment, so they describe exactly
+the traffic this agent sent, not the server's lifetime.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+
+from .acceptance import SpecStats, pooled
 
 LATENCY_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0, 30.0, 60.0)
 
@@ -52,27 +52,36 @@ class AgentMetrics:
                                      ["target"], buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0),
                                      registry=r)
         self.build = Info(p + "deployment", "What runs behind each target", ["target"], registry=r)
-        self._sums: dict[str, list[float]] = {}
+        self.fallback_switches = Counter(p + "fallback_switches", "Acceptance fallback switches: to_fallback "
+                                         "(route to plain, probe) or to_speculative (recovered)",
+                                         ["target", "direction"], registry=r)
+        self.fallback_state = Gauge(p + "fallback_state", "1 while the acceptance fallback routes away from "
+                                    "this speculative target, 0 while it serves", ["target"], registry=r)
+        self.rolling_acceptance = Gauge(p + "fallback_rolling_acceptance", "Accepted / drafted tokens over the "
+                                        "fallback's window (NaN before any draft)", ["target"], registry=r)
+        self.rolling_observed = Gauge(p + "fallback_window_requests", "Replies in the fallback's window",
+                                      ["target"], registry=r)
+        self.admission_rejected = Counter(p + "admission_rejected", "Requests refused with 503 overloaded "
+                                          "because their expected latency was over the bound",
+                                          ["endpoint", "target"], registry=r)
+        self.expected_latency = Gauge(p + "admission_expected_seconds", "Admission control's expected latency "
+                                      "of a request arriving now (NaN while not measured)", ["target"], registry=r)
+        self._sums: dict[str, SpecStats] = {}
 
-    def observe_spec(self, target: str, spec: dict[str, Any] | None) -> None:
-        if not spec:
+    def observe_spec(self, target: str, stats: SpecStats | None) -> None:
+        """One reply's draft counts (``acceptance.reply_stats``); None: it drafted nothing."""
+        if stats is None:
             return
-        steps = spec.get("num_spec_steps") or 0
-        drafted = spec.get("num_draft_tokens") or 0
-        accepted = spec.get("num_accepted_draft_tokens") or 0
-        self.drafts.labels(target).inc(steps)
-        self.draft_tokens.labels(target).inc(drafted)
-        self.accepted_tokens.labels(target).inc(accepted)
-        s = self._sums.setdefault(target, [0.0, 0.0, 0.0])
-        s[0] += steps
-        s[1] += drafted
-        s[2] += accepted
-        if s[1]:
-            self.acceptance_rate.labels(target).set(s[2] / s[1])
-        if s[0]:
-            self.acceptance_length.labels(target).set(1 + s[2] / s[0])
-        if steps:
-            self.request_tau.labels(target).observe(1 + accepted / steps)
+        self.drafts.labels(target).inc(stats.drafts)
+        self.draft_tokens.labels(target).inc(stats.draft_tokens)
+        self.accepted_tokens.labels(target).inc(stats.accepted)
+        total = self._sums[target] = pooled([self._sums.get(target, SpecStats()), stats])
+        if total.acceptance_rate is not None:
+            self.acceptance_rate.labels(target).set(total.acceptance_rate)
+        if total.tau is not None:
+            self.acceptance_length.labels(target).set(total.tau)
+        if stats.tau is not None:
+            self.request_tau.labels(target).observe(stats.tau)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

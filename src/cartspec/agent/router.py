@@ -5,14 +5,20 @@ generators): ``decide`` picks a target from the expected reply length and the
 current load; ``observe`` updates the expected length with the reply's real
 token count. Off by default: then every request goes to the speculative
 deployment (or the only one there is), and the decision says so.
+
+The acceptance fallback (``fallback.py``), when there is one, comes first:
+while the draft does not pay, requests go to plain (``acceptance-fallback``)
+but for the probes (``acceptance-probe``), whatever the length or load policy
+would say. A deployment that is down is avoided last, whatever chose it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from .config import RouterConfig
+from .fallback import AcceptanceFallback, FallbackView
 
 Target = Literal["speculative", "plain"]
 
@@ -22,9 +28,13 @@ class RouteDecision:
     target: Target
     reason: str
     expected_tokens: float | None = None
+    fallback: FallbackView | None = None  # the acceptance fallback when this was decided, if there is one
 
     def header(self) -> str:
-        return f"{self.target}; reason={self.reason}"
+        head = f"{self.target}; reason={self.reason}"
+        if self.reason.startswith("acceptance-") and self.fallback and self.fallback.acceptance is not None:
+            head += f"; acceptance={self.fallback.acceptance:.3f}"
+        return head
 
 
 def _bucket(query: str) -> int:
@@ -50,21 +60,27 @@ class LengthEstimator:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, targets: set[str]):
+    def __init__(self, config: RouterConfig, targets: set[str], fallback: AcceptanceFallback | None = None):
         self.config = config
         self.targets = targets
         self.lengths = LengthEstimator(config.prior_tokens, config.ema_alpha)
+        self.fallback = fallback if len(targets) > 1 else None
 
     def decide(self, task: str, query: str, speculative_inflight: int, up: dict[str, bool]) -> RouteDecision:
         """``up``: which targets are currently healthy (a down target is only chosen if nothing else is)."""
         if len(self.targets) == 1:
             only = next(iter(self.targets))
             return RouteDecision(only, "only-deployment")  # type: ignore[arg-type]
-        preferred = self._preferred(task, query, speculative_inflight)
+        fb = self.fallback.route() if self.fallback else None
+        if fb is not None and fb.state == "fallback":
+            preferred = RouteDecision("speculative", "acceptance-probe", fallback=fb) if fb.probe \
+                else RouteDecision("plain", "acceptance-fallback", fallback=fb)
+        else:
+            preferred = replace(self._preferred(task, query, speculative_inflight), fallback=fb)
         if not up.get(preferred.target, True):
             other: Target = "plain" if preferred.target == "speculative" else "speculative"
             if up.get(other, False):
-                return RouteDecision(other, f"failover-{preferred.target}-down", preferred.expected_tokens)
+                return RouteDecision(other, f"failover-{preferred.target}-down", preferred.expected_tokens, fb)
         return preferred
 
     def _preferred(self, task: str, query: str, speculative_inflight: int) -> RouteDecision:

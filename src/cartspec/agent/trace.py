@@ -47,6 +47,25 @@ class SpecTrace(BaseModel):
                    per_step_proposed=spec.get("per_step_drafted"))
 
 
+class FallbackTrace(BaseModel):
+    """The acceptance fallback when the request was routed."""
+
+    state: str                        # speculative | fallback
+    acceptance: float | None = None   # rolling, accepted / drafted tokens over the window
+    observed: int = 0                 # replies in the window
+    probe: bool = False               # sent to the speculative deployment to test it during fallback
+
+
+class AdmissionTrace(BaseModel):
+    """Admission control's estimate for the chosen deployment (Little's law)."""
+
+    admitted: bool
+    expected_s: float | None = None   # None: nothing measured yet (admitted)
+    queued: int = 0
+    inflight: int = 0
+    rate: float | None = None         # completions per busy second
+
+
 class TraceRecord(BaseModel):
     id: str
     ts: float = Field(default_factory=time.time)
@@ -65,6 +84,8 @@ class TraceRecord(BaseModel):
     finish_reason: str | None = None
     timing: Timing = Field(default_factory=Timing)
     spec: SpecTrace | None = None
+    fallback: FallbackTrace | None = None
+    admission: AdmissionTrace | None = None
 
 
 class TraceWriter:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..serving.client import ChatClient, Completion, UpstreamError
+from .admission import Throughput
 
 
 class UpstreamUnavailable(RuntimeError):
@@ -52,6 +53,7 @@ class Upstream:
         self.health = Health()
         self.inflight = 0
         self.waiting = 0
+        self.throughput = Throughput()  # completions per busy second, for admission control
         self._client: ChatClient | None = None
         self._slots: asyncio.Semaphore | None = None
         self._probe_task: asyncio.Task | None = None
@@ -132,18 +134,23 @@ class Upstream:
             self.waiting -= 1
         queued = time.perf_counter() - t0
         self.inflight += 1
+        self.throughput.begin()
+        completed = False
         try:
             if not self.health.up:  # it went down while we queued
                 raise UpstreamUnavailable(f"model server {self.label} went down: {self.health.reason}",
                                           retry_after_s=self._probe_interval)
-            return await self._client.chat(messages, max_tokens=max_tokens, temperature=temperature,
-                                           json_schema=json_schema), queued
+            comp = await self._client.chat(messages, max_tokens=max_tokens, temperature=temperature,
+                                           json_schema=json_schema)
+            completed = True
+            return comp, queued
         except UpstreamError as exc:
             if exc.status in (0, 502, 503):
                 self._set(False, str(exc))
             raise
         finally:
             self.inflight -= 1
+            self.throughput.end(completed)
             self._slots.release()
 
 
