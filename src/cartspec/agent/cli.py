@@ -90,6 +90,9 @@ def serve(
     model: str = typer.Option("commerce", help="target: commerce | base | PATH to an HF directory"),
     head: str = typer.Option("auto", help="EAGLE-3 head: auto (domain when present) | none | domain | generic | PATH"),
     gamma: int = typer.Option(3, min=1, max=16, help="γ, draft tokens per step"),
+    adaptive: bool = typer.Option(False, "--adaptive", help="γ per batch size, tuned for this machine: the "
+                                  "schedule cached by an earlier study or tune, else a calibration first (a few "
+                                  "minutes); replaces --gamma"),
     spec_file: Optional[Path] = typer.Option(None, "--spec", help="a DeploymentSpec file (YAML/TOML/JSON); "
                                              "replaces --model/--head/--gamma"),
     upstream: Optional[str] = typer.Option(None, help="use this running OpenAI-compatible server; start no vLLM"),
@@ -170,6 +173,8 @@ def serve(
                 spec = spec.model_copy(update={"dtype": dtype}) if dtype != "auto" else spec
             elif not upstream:
                 spec = default_spec(model, head, gamma, enforce_eager, dtype)
+                if adaptive:
+                    spec = _adaptive(spec, log_dir)
             elif plain and not plain_upstream:  # only its target matters: it runs without speculation
                 spec = default_spec(model, "none", gamma, enforce_eager, dtype)
             ups = build_upstreams(spec, start, upstream=upstream, served_name=served_name, label=label,
@@ -196,6 +201,19 @@ def serve(
             keeper.stopping.set()
         for server in servers:
             server.stop()
+
+
+def _adaptive(spec: "DeploymentSpec", log_dir: Path) -> "DeploymentSpec":
+    """``spec`` with the γ-per-batch-size schedule tuned for this machine (cached, else calibrated now)."""
+    from ..bench.adaptive import resolve_adaptive, run_calibration, tune_dir
+
+    sp = spec.speculative
+    if sp.method != "eagle3":
+        raise ValueError("--adaptive needs an EAGLE-3 head (--head)")
+    spec = spec.model_copy(update={"speculative": sp.model_copy(update={"adaptive": True,
+                                                                       "num_speculative_tokens": None})})
+    return resolve_adaptive(spec, tune_dir() / "no-run", lambda s, d: run_calibration(s, d),
+                            log=lambda m: console.print(m))
 
 
 def _log_to_stderr() -> None:

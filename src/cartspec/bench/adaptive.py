@@ -43,6 +43,18 @@ def cache_key(spec: DeploymentSpec) -> str:
         "head": dir_digest(head, only=["config.json", "model.safetensors"])[:16]})
 
 
+def run_calibration(spec: DeploymentSpec, cal_dir: Path, launcher=None, reporter=None) -> list[PointResult]:
+    """The ``calibrate`` preset for ``spec``'s target and head, under ``spec``'s engine settings."""
+    from .plan import preset
+    from .sweep import run_sweep
+
+    cal = preset("calibrate", spec.model, spec.speculative.model)
+    same = {k: getattr(spec, k) for k in ("dtype", "enforce_eager", "max_model_len", "max_num_seqs", "env",
+                                          "engine_args", "start_timeout_s")}
+    cal.deployments = [d.model_copy(update=same) for d in cal.deployments]
+    return run_sweep(cal, cal_dir, launcher, reporter)
+
+
 def tune_from(results: list[PointResult], spec: DeploymentSpec) -> DeploymentSpec:
     """The adaptive spec with its schedule, tuned from ``results`` (raises ValueError when they cannot say)."""
     from ..analysis.tune import tune_schedule

@@ -251,14 +251,10 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
 def _tuned(plan: SweepPlan, spec: DeploymentSpec, out: Path, launcher: Launcher | None,
            reporter: Reporter) -> DeploymentSpec:
     """An adaptive deployment with its schedule (``bench/adaptive.py`` says where it comes from)."""
-    from .adaptive import resolve_adaptive
+    from .adaptive import resolve_adaptive, run_calibration
 
     def calibrate(s: DeploymentSpec, cal_dir: Path) -> list[PointResult]:
-        cal = preset("calibrate", s.model, s.speculative.model)
-        same = {k: getattr(s, k) for k in ("dtype", "enforce_eager", "max_model_len", "max_num_seqs", "env",
-                                           "engine_args", "start_timeout_s")}
-        cal.deployments = [d.model_copy(update=same) for d in cal.deployments]
-        return run_sweep(cal, cal_dir, launcher, _NestedReporter(reporter, "calibration"))
+        return run_calibration(s, cal_dir, launcher, _NestedReporter(reporter, "calibration"))
 
     return resolve_adaptive(spec, out, calibrate, log=lambda msg: reporter.deployment(spec.label, msg))
 
