@@ -30,7 +30,7 @@ import httpx
 from agent_drill_lib import ClosedLoop, log, percentile, start_agent, stop_agent, write_jsonl
 from cartspec.agent.cli import default_spec
 from cartspec.agent.config import AdmissionConfig, AgentConfig
-from cartspec.serving.server import VllmServer, free_port
+from cartspec.serving.server import VllmServer, free_port, install_signal_handlers
 
 
 async def load_for(load: ClosedLoop, seconds: float) -> None:
@@ -139,4 +139,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    install_signal_handlers()  # killed (SIGTERM/SIGHUP), it still stops the vLLM servers it started
     main()

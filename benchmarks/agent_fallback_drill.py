@@ -41,7 +41,7 @@ from cartspec.agent.cli import default_spec
 from cartspec.agent.config import AgentConfig, CacheConfig, FallbackConfig, RouterConfig
 from cartspec.agent.trace import read_trace
 from cartspec.agent.wiring import plain_spec
-from cartspec.serving.server import VllmServer, free_port
+from cartspec.serving.server import VllmServer, free_port, install_signal_handlers
 
 BACK = ("router-off",)  # with the router off, the reason of a request the fallback leaves alone
 
@@ -223,4 +223,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    install_signal_handlers()  # killed (SIGTERM/SIGHUP), it still stops the vLLM servers it started
     main()

@@ -42,7 +42,7 @@ import httpx
 
 from cartspec.agent.cli import default_spec
 from cartspec.agent.config import AgentConfig
-from cartspec.serving.server import VllmServer, free_port
+from cartspec.serving.server import VllmServer, free_port, install_signal_handlers
 from cartspec.task.data import MAX_QUERY_CHARS
 from cartspec.task.generator import generate
 
@@ -351,4 +351,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    install_signal_handlers()  # killed (SIGTERM/SIGHUP), it still stops the vLLM servers it started
     main()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from cartspec.agent.cli import default_spec
 from cartspec.serving.client import ChatClient, gather_limited
-from cartspec.serving.server import VllmServer
+from cartspec.serving.server import VllmServer, install_signal_handlers
 from cartspec.serving.spec import Speculative
 from cartspec.task.parse import read_reply
 from cartspec.task.prompts import messages
@@ -101,4 +101,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    install_signal_handlers()  # killed (SIGTERM/SIGHUP), it still stops the vLLM servers it started
     main()

@@ -154,9 +154,9 @@ def main() -> None:
             os.sched_setaffinity(0, client_cpus)  # after the server started: it keeps its own cores
             print(f"clients pinned to cores {sorted(client_cpus)}; server computes on {server_env['VLLM_CPU_OMP_THREADS_BIND']}")
         if name is None:
-            from cartspec.bench.sweep import served_model_name
+            from cartspec.serving.endpoint import first_model
 
-            name = served_model_name(url)
+            name = first_model(url)
         cu = not a.no_continuous_usage
         for c in [int(x) for x in a.concurrency.split(",")]:
             n = a.requests or max(12, 8 * c)
@@ -193,4 +193,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from cartspec.serving.server import install_signal_handlers
+
+    install_signal_handlers()  # killed (SIGTERM/SIGHUP), it still stops the vLLM server it started
     main()

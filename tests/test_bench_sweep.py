@@ -20,7 +20,7 @@ import pytest
 
 from cartspec.bench.results import DeploymentInfo, load_results, results_path
 from cartspec.bench.sweep import SweepPlan, parse_deployment, preset, run_sweep
-from cartspec.bench.trivial_server import FakeConfig, TrivialServer
+from cartspec.testing.trivial_server import FakeConfig, TrivialServer
 from cartspec.report.build import build_report
 
 
@@ -79,10 +79,11 @@ def plan(*deps: str, **kw) -> SweepPlan:
 
 def test_presets_match_the_published_grid():
     p = preset("paper")
+    # the published study's deployments, then the off-the-shelf head, n-gram and the schedule tuned here
     assert [d.label for d in p.deployments] == ["baseline", "eagle3-domain-g3", "eagle3-domain-g5",
-                                                "eagle3-generic-g3"]
+                                                "eagle3-generic-g3", "ngram-g3", "eagle3-domain-auto"]
     assert p.concurrencies == [1, 2, 4, 8, 16, 32] and p.temperatures == [0.0, 0.5]
-    assert len(p.all_points()) == 48
+    assert len(p.all_points()) == 72
     q = preset("quick")
     assert q.deployments[0].label == "baseline" and "ngram-g3" in [d.label for d in q.deployments]
     assert len({pt.key for pt in q.all_points()}) == len(q.all_points())

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from cartspec.bench.sweep import SweepPlan, parse_deployment, run_sweep
-from cartspec.bench.trivial_server import FakeConfig, TrivialServer
+from cartspec.testing.trivial_server import FakeConfig, TrivialServer
 from cartspec.report.build import build_report
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome", "chrome")

@@ -51,7 +51,9 @@ CALLER = textwrap.dedent('''
     import sys, time
     sys.path.insert(0, {tests!r})
     from test_serving_cleanup import StandIn
+    from cartspec.serving.server import install_signal_handlers
     from cartspec.serving.spec import DeploymentSpec
+    install_signal_handlers()  # as the cartspec CLI does: on SIGTERM the caller stops it (the watchdog is the backstop)
     server = StandIn({script!r}, {mode!r}, DeploymentSpec(start_timeout_s=60), log_dir={log_dir!r})
     server.start()
     print("PIDS", *server.pids(), flush=True)
@@ -166,6 +168,35 @@ def test_interrupted_or_killed_caller_leaves_no_process(standin, tmp_path, sig):
     assert _wait_gone(pids, 15) == [], f"left behind after {sig!r}"
 
 
+def _default_signals():
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # as a shell starts it (a test run may inherit them ignored)
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def test_signal_handlers_are_installed_by_the_cli_not_by_an_import(tmp_path):
+    # A fresh interpreter: this test process may have run the CLI (which installs them) already.
+    code = textwrap.dedent('''
+        import signal
+        from cartspec.serving import server
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "importing server.py took over SIGTERM"
+        server.install_signal_handlers()
+        server.install_signal_handlers()  # idempotent
+        assert signal.getsignal(signal.SIGTERM) is signal.getsignal(signal.SIGHUP) is server._on_signal
+
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        from typer.testing import CliRunner
+        from cartspec.cli import app
+        r = CliRunner().invoke(app, ["data", "--out", {out!r}, "--train", "1", "--dev", "1", "--test", "1"])
+        assert r.exit_code == 0, r.output
+        assert signal.getsignal(signal.SIGTERM) is server._on_signal, "the CLI did not install the handlers"
+        print("ok")
+    ''').format(out=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       preexec_fn=_default_signals)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
 def test_dropped_server_object_is_still_stopped_at_exit(standin, tmp_path):
     caller, pids = _run_caller(tmp_path, standin, "ok", "del server; import gc; gc.collect()")
     caller.wait(20)
@@ -236,10 +267,10 @@ def test_a_dead_engine_is_reported_by_its_root_cause_not_by_what_followed():
 
 
 def test_sweep_reports_why_a_vllm_deployment_died(tmp_path):
-    from cartspec.bench.sweep import VllmDeployment
+    from cartspec.serving.endpoint import VllmEndpoint
     from cartspec.serving.spec import DeploymentSpec
 
-    dep = VllmDeployment(DeploymentSpec(name="x"), log_dir=tmp_path)
+    dep = VllmEndpoint(DeploymentSpec(name="x"), log_dir=tmp_path)
     dep.server.log_path.write_text(_DEAD_ENGINE_LOG)
     reason = dep.died_reason()
     assert "RuntimeError: CPU Generator does not use offset" in reason and str(dep.server.log_path) in reason

@@ -25,6 +25,15 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+@app.callback()
+def _every_command() -> None:
+    # Before any command runs: a SIGTERM/SIGHUP to cartspec stops the vLLM servers it started
+    # (study, serve, eval-model, draft), where the default would die and leave them running.
+    from .serving.server import install_signal_handlers
+
+    install_signal_handlers()
+
+
 @app.command()
 def data(out_dir: Path = typer.Option(Path("runs/data"), "--out", help="where train/dev/test.jsonl go"),
          train: int = 2400, dev: int = 200, test: int = 400, seed: int = 0) -> None:
@@ -37,19 +46,44 @@ def data(out_dir: Path = typer.Option(Path("runs/data"), "--out", help="where tr
         console.print(f"{split}: {n} requests -> {path}")
 
 
+# What build-model trains with; they only matter when it trains (first build, --retrain, a new --adapter-out).
+TRAINING_OPTIONS = ("train_size", "epochs", "lr", "rank", "batch_size", "seed", "neftune_alpha")
+
+
 @app.command("build-model")
 def build_model(
+    ctx: typer.Context,
     gguf: Optional[Path] = typer.Option(None, help="GGUF to start from (default: bundled SmolLM2-135M-Instruct)"),
-    adapter_out: Path = typer.Option(None, help="where the LoRA adapter goes (default: the bundled asset dir)"),
+    adapter_out: Optional[Path] = typer.Option(
+        None, help="where the LoRA adapter goes; required with --retrain, e.g. runs/lora/NAME "
+                   "(default: the bundled adapter, used as is)"),
     train_size: int = typer.Option(4000, help="training requests (the bundled adapter's recipe: 4000 x 1 epoch, batch 8)"),
     epochs: float = 1.0, lr: float = 1e-3, rank: int = 16, batch_size: int = 8, seed: int = 0,
     neftune_alpha: float = typer.Option(0.0, help="NEFTune embedding-noise alpha while training (0: off)"),
-    retrain: bool = typer.Option(False, help="train even if an adapter exists"),
+    retrain: bool = typer.Option(False, help="train even if an adapter exists (needs --adapter-out)"),
 ) -> None:
     """Convert the base model, LoRA-fine-tune it on the task (resumable) and merge it for vLLM."""
+    from .model.registry import BUNDLED_ADAPTER
+
+    # Refuse before converting or training anything: both take minutes.
+    out = adapter_out or BUNDLED_ADAPTER
+    exists = (out / "adapter_model.safetensors").exists()
+    if retrain and adapter_out is None and exists:
+        fail(f"--retrain without --adapter-out would overwrite the bundled adapter ({BUNDLED_ADAPTER}): "
+             "train into a new directory with --adapter-out runs/lora/NAME "
+             f"(or replace the bundled one on purpose with --adapter-out {BUNDLED_ADAPTER})")
+    # Typed by the user, even at its default value (by name: typer may bring its own copy of click's enum).
+    given = [o for o in TRAINING_OPTIONS if getattr(ctx.get_parameter_source(o), "name", "DEFAULT") != "DEFAULT"]
+    if given and exists and not retrain:
+        flags = ", ".join("--" + o.replace("_", "-") for o in given)
+        where = "--retrain" if adapter_out else "--retrain --adapter-out runs/lora/NAME"
+        verb = "sets" if len(given) == 1 else "set"
+        fail(f"{flags} {verb} how to train, but nothing would be trained: the adapter at {out} exists "
+             f"and is used as is: add {where} to train a new one with these settings")
+
     from .model.convert import ModelNotFound, convert_gguf
     from .model.lora import LoraConfig, train_lora
-    from .model.registry import BUNDLED_ADAPTER, merged_commerce
+    from .model.registry import merged_commerce
     from .task.generator import generate
 
     try:
@@ -57,8 +91,7 @@ def build_model(
     except ModelNotFound as exc:
         fail(str(exc))
     console.print(f"base model: {base}")
-    out = adapter_out or BUNDLED_ADAPTER
-    if retrain or not (out / "adapter_model.safetensors").exists():
+    if retrain or not exists:  # a first build (no adapter anywhere yet) trains into the bundled directory
         cfg = LoraConfig(r=rank, alpha=2 * rank, lr=lr, epochs=epochs, batch_size=batch_size, seed=seed,
                          neftune_alpha=neftune_alpha)
         train_lora(base, generate("train", train_size, seed), out, cfg)
@@ -81,19 +114,23 @@ def eval_model(
     out: Path = typer.Option(Path("runs/eval-model.json"), help="where the scores go"),
     server: Optional[str] = typer.Option(None, help="use a running OpenAI-compatible server at this URL"),
     served_name: str = typer.Option("cartspec", help="model name on --server"),
+    server_api_key_env: Optional[str] = typer.Option(
+        None, "--server-api-key-env", metavar="VAR", help="the environment variable holding --server's API key "
+        "(sent as 'Authorization: Bearer KEY'); the scores record VAR, never the key"),
     structured: bool = typer.Option(False, help="constrain replies with vLLM structured outputs"),
     concurrency: int = 16, max_tokens: int = 160, limit: Optional[int] = None,
     dtype: str = typer.Option("auto", help="serving dtype: auto (float32 on a CPU without native bf16, else bfloat16) | bfloat16 | float32 | float16"),
 ) -> None:
     """Serve a model with vLLM and score it on a request set (temperature 0)."""
     from .quality.structured import evaluate_model
+    from .serving.endpoint import EndpointError, MissingApiKey
     from .serving.server import DeploymentError
 
     try:
         summary = evaluate_model(model=model, data=data, out=out, server=server, served_name=served_name,
                                  structured=structured, concurrency=concurrency, max_tokens=max_tokens,
-                                 limit=limit, dtype=dtype)
-    except (DataFileError, DeploymentError, FileNotFoundError) as exc:
+                                 limit=limit, dtype=dtype, api_key_env=server_api_key_env)
+    except (DataFileError, DeploymentError, EndpointError, MissingApiKey, FileNotFoundError) as exc:
         fail(str(exc))
     keys = ("n", "json_valid", "schema_valid", "field_accuracy", "exact_match")
     console.print(" ".join(f"{k}={summary[k]:.3f}" if isinstance(summary.get(k), float) else f"{k}={summary.get(k)}"

@@ -136,9 +136,12 @@ def serve(
 ) -> None:
     """Serve the commerce agent (search parameters, support replies) on a vLLM deployment,
     or on two (--plain): speculative and plain, with the router and the acceptance fallback."""
+    import contextlib
+
     import uvicorn
 
     from ..model.convert import ModelNotFound
+    from ..serving.endpoint import Endpoint, EndpointError, endpoint
     from ..serving.server import DeploymentError, VllmServer
     from ..serving.spec import DeploymentSpec
     from . import AgentConfig, create_app
@@ -154,16 +157,19 @@ def serve(
         console.print(f"[yellow]binding {cfg.host} without an API key: anyone who reaches it can use it[/]")
 
     _log_to_stderr()
-    servers: list[VllmServer] = []
+    servers: list[VllmServer] = []  # the vLLMs started here, for the keeper
     keeper = None
+    # Owns every endpoint opened below: the vLLMs started here stop on the way out, however it goes.
+    endpoints = contextlib.ExitStack()
 
-    def start(spec: DeploymentSpec) -> VllmServer:
-        server = VllmServer(spec, log_dir=log_dir)
-        servers.append(server)
-        console.print(f"starting vLLM: {spec.model}, {spec.label} (a minute or two on CPU; log {server.log_path})")
-        server.start()
-        console.print(f"vLLM ready at {server.url} ({server.info().versions.get('vllm')}, {spec.label})")
-        return server
+    def open_endpoint(what: DeploymentSpec | str, name: str | None) -> Endpoint:
+        if isinstance(what, DeploymentSpec):
+            console.print(f"starting vLLM: {what.model}, {what.label} (a minute or two on CPU; log {log_dir})")
+        ep = endpoints.enter_context(endpoint(what, log_dir=log_dir, served_name=name))
+        if ep.server is not None:
+            servers.append(ep.server)
+            console.print(f"vLLM ready at {ep.url} ({ep.versions.get('vllm')}, {ep.label}; log {ep.server.log_path})")
+        return ep
 
     try:
         try:
@@ -177,9 +183,9 @@ def serve(
                     spec = _adaptive(spec, log_dir)
             elif plain and not plain_upstream:  # only its target matters: it runs without speculation
                 spec = default_spec(model, "none", gamma, enforce_eager, dtype)
-            ups = build_upstreams(spec, start, upstream=upstream, served_name=served_name, label=label,
+            ups = build_upstreams(spec, open_endpoint, upstream=upstream, served_name=served_name, label=label,
                                   plain=plain, plain_upstream=plain_upstream, plain_served_name=plain_served_name)
-        except (DeploymentError, ModelNotFound, FileNotFoundError, ValueError) as exc:
+        except (DeploymentError, EndpointError, ModelNotFound, FileNotFoundError, ValueError) as exc:
             console.print(f"[bold red]error:[/] {exc}")
             raise typer.Exit(2) from None
         if servers and restart:
@@ -198,9 +204,8 @@ def serve(
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10)
     finally:
         if keeper:
-            keeper.stopping.set()
-        for server in servers:
-            server.stop()
+            keeper.stopping.set()  # first: a keeper still running would restart what is stopped next
+        endpoints.close()
 
 
 def _adaptive(spec: "DeploymentSpec", log_dir: Path) -> "DeploymentSpec":

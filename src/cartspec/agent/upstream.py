@@ -3,7 +3,8 @@
 An ``Upstream`` is one OpenAI-compatible server (normally a ``VllmServer``).
 When a call finds it unreachable it is marked down; from then on requests fail
 fast with 503 and the reason, instead of each of 64 clients waiting on a dead
-socket, and a background probe of ``/health`` marks it up again as soon as the
+socket, and a background health probe (``/health``, or NIM's ``/v1/health/ready``,
+or ``/v1/models``: ``ChatClient.healthy``) marks it up again as soon as the
 server answers. The agent never owns the process: whoever started it restarts
 it (``cartspec serve`` does), and the agent follows.
 """

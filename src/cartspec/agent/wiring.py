@@ -1,7 +1,8 @@
 """What ``cartspec serve`` puts behind the agent, apart from starting processes (testable without vLLM).
 
 ``build_upstreams`` turns the command line into the speculative and plain
-targets, calling ``start(spec)`` for each deployment it must run itself;
+targets, opening each through ``open_endpoint`` (``serving.endpoint.endpoint``
+in ``cartspec serve``: a spec is started, a URL is used as it is);
 ``apply_flags`` turns on what two targets make possible (the router, the
 acceptance fallback) unless the config file or a flag said otherwise.
 """
@@ -25,25 +26,33 @@ def plain_spec(spec: DeploymentSpec) -> DeploymentSpec:
     return spec.model_copy(update={"speculative": Speculative()})
 
 
-def _from_server(server: Any, spec: DeploymentSpec) -> Upstream:
-    info = server.info()
-    return Upstream(server.url, model=spec.name, label=spec.label, info={"spec": info.spec, "versions": info.versions})
+# (spec or URL, served name on a URL) -> an open ``serving.endpoint.Endpoint``: ``url``, ``served_name``,
+# ``api_key``, ``versions``. Whoever passes it owns what it started and stops it.
+OpenEndpoint = Callable[[DeploymentSpec | str, str | None], Any]
 
 
-def build_upstreams(spec: DeploymentSpec | None, start: Callable[[DeploymentSpec], Any], *,
+def _target(open_endpoint: OpenEndpoint, what: DeploymentSpec | str, served_name: str | None,
+            label: str) -> Upstream:
+    ep = open_endpoint(what, served_name)
+    info = ({"spec": what.model_dump(mode="json"), "versions": ep.versions}  # started here: what it runs is known
+            if isinstance(what, DeploymentSpec) else {"url": ep.url})
+    return Upstream(ep.url, model=ep.served_name, label=label, api_key=ep.api_key, info=info)
+
+
+def build_upstreams(spec: DeploymentSpec | None, open_endpoint: OpenEndpoint, *,
                     upstream: str | None = None, served_name: str = "cartspec", label: str = "external",
                     plain: bool = False, plain_upstream: str | None = None,
                     plain_served_name: str = "cartspec") -> Upstreams:
-    """The agent's targets. ``start(spec)`` runs a deployment and returns it started (``VllmServer``-like:
-    ``url``, ``info()``); it is called for the main deployment unless ``upstream`` is given, then for the
-    plain one if ``plain`` and no ``plain_upstream``. ``spec``: what the main deployment runs, and the
-    target the plain one runs without speculation (with ``upstream``, only the latter)."""
+    """The agent's targets. ``open_endpoint(spec_or_url, served_name)`` opens one: it starts a spec and
+    returns it started, and uses a URL as it is. The main target is ``upstream``, else ``spec``; the plain
+    one is ``plain_upstream``, else (with ``plain``) ``spec``'s target without speculation. ``label``: what
+    runs on ``upstream``, for headers and metrics."""
     if upstream:
-        main = Upstream(upstream, model=served_name, label=label, info={"url": upstream})
+        main = _target(open_endpoint, upstream, served_name, label)
     else:
         if spec is None:
             raise ValueError("build_upstreams needs a spec or an upstream URL")
-        main = _from_server(start(spec), spec)
+        main = _target(open_endpoint, spec, None, spec.label)
     want_plain = plain or bool(plain_upstream)
     if main.label == PLAIN_LABEL:  # no speculation: the main deployment is the plain target
         if want_plain:
@@ -51,12 +60,11 @@ def build_upstreams(spec: DeploymentSpec | None, start: Callable[[DeploymentSpec
                         "--plain/--plain-upstream ignored")
         return Upstreams(plain=main)
     if plain_upstream:
-        other = Upstream(plain_upstream, model=plain_served_name, label=PLAIN_LABEL, info={"url": plain_upstream})
+        other = _target(open_endpoint, plain_upstream, plain_served_name, PLAIN_LABEL)
     elif plain:
         if spec is None:
             raise ValueError("--plain needs the target's spec to start it without speculation")
-        pspec = plain_spec(spec)
-        other = _from_server(start(pspec), pspec)
+        other = _target(open_endpoint, plain_spec(spec), None, PLAIN_LABEL)
     else:
         return Upstreams(speculative=main)
     return Upstreams(speculative=main, plain=other)

@@ -83,6 +83,9 @@ def study(
     model: str = typer.Option("commerce", help="target model: commerce | base | PATH to an HF directory"),
     server: Optional[str] = typer.Option(None, help="measure this running OpenAI-compatible endpoint instead"),
     served_name: Optional[str] = typer.Option(None, help="model name on --server (default: its first model)"),
+    server_api_key_env: Optional[str] = typer.Option(
+        None, "--server-api-key-env", metavar="VAR", help="the environment variable holding --server's API key, "
+        "sent as 'Authorization: Bearer KEY' (NIM, hosted APIs); run.json records VAR, never the key"),
     deployments: Optional[str] = typer.Option(
         None, help="comma list replacing the preset's: baseline, ngram:3, eagle3:domain:3, eagle3:PATH:5, "
                    "eagle3:domain:auto (γ per batch size tuned for this machine) "
@@ -109,9 +112,19 @@ def study(
 ) -> None:
     """Run the speculative-decoding study (sweep, then report) and print a verdict."""
     from ..report.build import build_report
+    from ..serving.endpoint import MissingApiKey, api_key_from_env
     from ..serving.spec import DeploymentSpec
     from .sweep import parse_deployment, preset as make_preset, run_sweep
 
+    if server_api_key_env:
+        if not server:
+            console.print("[bold red]error:[/] --server-api-key-env is the key of --server: give --server too")
+            raise typer.Exit(2)
+        try:  # checked now, not when the first point is measured
+            api_key_from_env(server_api_key_env)
+        except MissingApiKey as exc:
+            console.print(f"[bold red]error:[/] --server-api-key-env: {exc}")
+            raise typer.Exit(2)
     try:
         plan = make_preset(preset, model)
     except ValueError as exc:
@@ -165,7 +178,7 @@ def study(
                   f"points each -> {out}")
     t0 = time.monotonic()
     try:
-        run_sweep(plan, out, reporter=RichReporter())
+        run_sweep(plan, out, reporter=RichReporter(), api_key_env=server_api_key_env)
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted: finished points are in {out}/results.jsonl; rerun to resume[/]")
         raise typer.Exit(130)

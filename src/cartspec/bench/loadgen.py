@@ -24,6 +24,7 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import httpx
 
+from ..serving.client import auth_headers, chat_body
 from .metrics import scrape, stats_from_responses
 from .results import RequestRecord, SpecStats
 
@@ -40,6 +41,8 @@ class ChatRequest:
     id: str = ""
     max_tokens: int = 128
     extra: dict[str, Any] = field(default_factory=dict)
+    json_schema: dict[str, Any] | None = None  # constrain the reply to it (structured outputs)
+    schema_name: str = "reply"
     source: Any = None  # the task request it came from (with gold, when known): lets a point score its replies
 
 
@@ -65,13 +68,9 @@ class LoadResult:
 
 
 def body_for(model: str, req: ChatRequest, temperature: float, seed: int | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "messages": req.messages, "max_tokens": req.max_tokens,
-                            "temperature": temperature, "stream": True,
-                            "stream_options": {"include_usage": True}}
-    if seed is not None:
-        body["seed"] = seed  # same sampling stream for the same request on every deployment
-    body.update(req.extra)
-    return body
+    # ``seed``: the same sampling stream for the same request on every deployment
+    return chat_body(model, req.messages, max_tokens=req.max_tokens, temperature=temperature, seed=seed,
+                     json_schema=req.json_schema, schema_name=req.schema_name, stream=True, extra=req.extra)
 
 
 def _has_content(chunk: dict[str, Any]) -> bool:
@@ -209,11 +208,14 @@ async def open_loop(send: Callable[[int, ChatRequest], Awaitable[RequestRecord]]
 
 
 async def run_load(base_url: str, model: str, requests: Sequence[ChatRequest], cfg: LoadConfig,
-                   on_done: OnDone | None = None, api_key: str | None = None) -> LoadResult:
-    """Warm up, read the counters, run the measured load, read the counters again."""
+                   on_done: OnDone | None = None, api_key: str | None = None, metrics: bool = True) -> LoadResult:
+    """Warm up, read the counters, run the measured load, read the counters again.
+
+    ``metrics=False``: the endpoint has no ``/metrics`` (not vLLM, or not exposed); acceptance then
+    comes from the replies' per-request metrics when they carry any, else the point has none."""
     if not requests:
         raise ValueError("no requests to send")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     in_flight = cfg.concurrency if cfg.mode == "closed" else 1024
     limits = httpx.Limits(max_connections=in_flight + 8, max_keepalive_connections=in_flight + 8)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
@@ -232,7 +234,7 @@ async def run_load(base_url: str, model: str, requests: Sequence[ChatRequest], c
             warm = list(reversed(requests))
             await closed_loop(sender(1_000_000), warm, min(cfg.concurrency, cfg.warmup) if cfg.mode == "closed"
                               else min(cfg.warmup, 8), cfg.warmup)
-        before = await scrape(http, base_url)
+        before = await scrape(http, base_url) if metrics else None
         if cfg.mode == "closed":
             records, wall = await closed_loop(sender(0), requests, cfg.concurrency, cfg.n_requests,
                                               cfg.duration_s, on_done)
@@ -241,7 +243,7 @@ async def run_load(base_url: str, model: str, requests: Sequence[ChatRequest], c
                 raise ValueError("open loop needs a rate")
             records, wall = await open_loop(sender(0), requests, cfg.rate, cfg.n_requests, cfg.duration_s,
                                             cfg.seed, on_done)
-        after = await scrape(http, base_url)
+        after = await scrape(http, base_url) if metrics else None
     spec = (after - before).stats() if before is not None and after is not None else None
     if spec is None:
         spec = stats_from_responses([r.spec for r in records if r.spec])
@@ -253,14 +255,9 @@ def chat_requests(reqs: Iterable[Any], max_tokens: int, structured: bool = False
     """cartspec task requests -> chat bodies (optionally constrained to the task's JSON schema)."""
     from ..task.prompts import messages
 
-    out = []
-    for r in reqs:
-        extra: dict[str, Any] = {}
-        if structured:
-            extra["response_format"] = {"type": "json_schema",
-                                        "json_schema": {"name": r.task, "schema": _schema(r.task)}}
-        out.append(ChatRequest(messages=messages(r), id=r.id or "", max_tokens=max_tokens, extra=extra, source=r))
-    return out
+    return [ChatRequest(messages=messages(r), id=r.id or "", max_tokens=max_tokens,
+                        json_schema=_schema(r.task) if structured else None, schema_name=r.task, source=r)
+            for r in reqs]
 
 
 def _schema(task: str) -> dict[str, Any]:

@@ -90,14 +90,19 @@ class SpecCounters:
 
 
 async def scrape(http: httpx.AsyncClient, base_url: str) -> SpecCounters | None:
-    """The server's counters, or None when it has no ``/metrics`` (not every server is vLLM)."""
+    """The server's counters, or None when it has none to give: no ``/metrics`` (404: not every server
+    is vLLM), one closed to us (401/403), or one that is not Prometheus text. A point is then measured
+    without acceptance figures; it never fails for want of them."""
     try:
         r = await http.get(base_url.rstrip("/") + "/metrics", timeout=10.0)
     except httpx.HTTPError:
         return None
     if r.status_code != 200:
         return None
-    return SpecCounters.from_text(r.text)
+    try:
+        return SpecCounters.from_text(r.text)
+    except ValueError:  # e.g. a position label that is not a number: someone else's metric of that name
+        return None
 
 
 def stats_from_responses(specs: list[dict]) -> SpecStats | None:

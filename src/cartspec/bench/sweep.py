@@ -14,10 +14,9 @@ import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from ..serving.endpoint import Endpoint, Launcher, api_key_from_env, endpoint
 from ..serving.spec import DeploymentSpec
 from .plan import (SweepPlan, baseline, head_available, parse_deployment, preset,  # noqa: F401 (re-exported)
                    spec_deployment)
@@ -43,110 +42,7 @@ def load_request_set(name: str, n: int, max_tokens: int, structured: bool = Fals
 
 
 # --- deployments ---------------------------------------------------------------
-
-
-class Deployment(Protocol):
-    url: str
-
-    def alive(self) -> bool: ...
-    def describe(self) -> DeploymentInfo: ...
-    def died_reason(self) -> str: ...
-
-
-class VllmDeployment:
-    """A ``VllmServer`` seen through the sweep's eyes."""
-
-    def __init__(self, spec: DeploymentSpec, log_dir: Path):
-        from ..serving.server import VllmServer
-
-        self.server = VllmServer(spec, log_dir=log_dir)
-        self.spec = spec
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def alive(self) -> bool:
-        return self.server.alive()
-
-    def describe(self) -> DeploymentInfo:
-        from ..paths import dir_digest
-
-        info = self.server.info()
-        sp = self.spec.speculative
-        for key in ("model_dir", "head_dir"):  # the content, not just the path, says which model ran
-            path = Path(info.versions.get(key) or "")
-            if str(path) not in ("", ".") and path.is_dir():
-                info.versions[key.replace("_dir", "_digest")] = dir_digest(path)[:16]
-        return DeploymentInfo(label=self.spec.label, method=sp.method, gamma=sp.num_speculative_tokens,
-                              head=info.versions.get("head_dir") or None, model=info.versions.get("model_dir", ""),
-                              spec=info.spec, url=info.url, versions=info.versions, log_path=info.log_path)
-
-    def died_reason(self) -> str:
-        from ..serving.server import read_log, root_cause
-
-        code = self.server.proc.returncode if self.server.proc else None
-        log = read_log(self.server.log_path)
-        cause = root_cause(log)
-        if cause is None:
-            telling = [ln for ln in log.splitlines()[-200:]
-                       if any(k in ln.lower() for k in ("error", "killed", "memory"))]
-            cause = (telling[-1] if telling else "no error line in log").strip()[-300:]
-        return f"vLLM server died (exit code {code}): {cause} (log: {self.server.log_path})"
-
-
-@contextlib.contextmanager
-def launch_vllm(spec: DeploymentSpec, log_dir: Path) -> Iterator[VllmDeployment]:
-    dep = VllmDeployment(spec, log_dir)
-    dep.server.start()
-    try:
-        yield dep
-    finally:
-        dep.server.stop()
-
-
-class ExternalDeployment:
-    """An endpoint someone else runs (vLLM, SGLang, TensorRT-LLM...): measured, never started."""
-
-    def __init__(self, url: str, spec: DeploymentSpec, label: str, served_name: str):
-        self.url, self.spec, self.label, self.served_name = url.rstrip("/"), spec, label, served_name
-
-    def alive(self) -> bool:
-        import httpx
-
-        try:
-            return httpx.get(self.url + "/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def describe(self) -> DeploymentInfo:
-        import httpx
-
-        versions: dict[str, str] = {}
-        try:
-            r = httpx.get(self.url + "/version", timeout=5)
-            if r.status_code == 200:
-                versions["server"] = str(r.json().get("version"))
-        except (httpx.HTTPError, ValueError):
-            pass
-        sp = self.spec.speculative
-        return DeploymentInfo(label=self.label, method=sp.method, gamma=sp.num_speculative_tokens, head=sp.model,
-                              model=self.served_name, spec=self.spec.model_dump(mode="json"), url=self.url,
-                              versions=versions)
-
-    def died_reason(self) -> str:
-        return f"the endpoint {self.url} stopped answering /health"
-
-
-Launcher = Callable[[DeploymentSpec, Path], contextlib.AbstractContextManager]
-
-
-def served_model_name(url: str) -> str:
-    import httpx
-
-    r = httpx.get(url.rstrip("/") + "/v1/models", timeout=10)
-    r.raise_for_status()
-    return r.json()["data"][0]["id"]
+# Starting vLLM or using a running endpoint, liveness and descriptions: serving/endpoint.py.
 
 
 # --- the run -----------------------------------------------------------------
@@ -187,11 +83,12 @@ class _NestedReporter(SilentReporter):
         self.outer.deployment(f"{self.what} {c.deployment}", f"{c.load} T={c.temperature:g}: {tput}")
 
 
-def write_run_file(out: Path, plan: SweepPlan, machine: Machine) -> None:
+def write_run_file(out: Path, plan: SweepPlan, machine: Machine, api_key_env: str | None = None) -> None:
     path = out / "run.json"
     prev = json.loads(path.read_text()) if path.exists() else {}
     runs = prev.get("invocations", [])
-    runs.append({"started_at": now_iso()})
+    # the variable's name tells a rerun where the key came from; the key itself is never written
+    runs.append({"started_at": now_iso(), **({"server_api_key_env": api_key_env} if api_key_env else {})})
     path.write_text(json.dumps({"plan": plan.model_dump(mode="json"), "machine": machine.model_dump(mode="json"),
                                 "created_at": prev.get("created_at", now_iso()), "invocations": runs}, indent=2))
 
@@ -205,15 +102,20 @@ def finish_run_file(out: Path, seconds: float, measured: int, skipped: int) -> N
 
 
 def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None,
-              reporter: Reporter | None = None) -> list[PointResult]:
-    """Measure every unfinished point of ``plan`` into ``out/results.jsonl``; returns all results."""
+              reporter: Reporter | None = None, *, api_key_env: str | None = None) -> list[PointResult]:
+    """Measure every unfinished point of ``plan`` into ``out/results.jsonl``; returns all results.
+
+    ``launcher``: starts deployments instead of vLLM (``serving.endpoint.Launcher``). ``api_key_env``:
+    the environment variable holding ``plan.server_url``'s API key (raises ``MissingApiKey`` when empty);
+    the plan and the results hold no key, run.json only this name."""
+    api_key = api_key_from_env(api_key_env)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if not plan.server_url:  # record (and key points by) the dtype that runs, not "auto"
         plan = plan.model_copy(update={"deployments": [d.resolved() for d in plan.deployments]})
     reporter = reporter or SilentReporter()
     machine = Machine.here()
-    write_run_file(out, plan, machine)
+    write_run_file(out, plan, machine, api_key_env)
     done = finished_keys(out)
     total = len(plan.all_points())
     skipped = sum(1 for p in plan.all_points() if p.key in done)
@@ -241,7 +143,7 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
             if not pending:
                 reporter.deployment(label, "done")
                 continue
-            measured += _run_deployment(plan, spec, pending, out, machine, launcher, reporter)
+            measured += _run_deployment(plan, spec, pending, out, machine, launcher, reporter, api_key)
     finally:
         reporter.stop()
         finish_run_file(out, time.monotonic() - t0, measured, skipped)
@@ -259,15 +161,17 @@ def _tuned(plan: SweepPlan, spec: DeploymentSpec, out: Path, launcher: Launcher 
     return resolve_adaptive(spec, out, calibrate, log=lambda msg: reporter.deployment(spec.label, msg))
 
 
-def _start(plan: SweepPlan, spec: DeploymentSpec, out: Path, launcher: Launcher | None, label: str):
-    if plan.server_url:
-        name = plan.served_name or served_model_name(plan.server_url)
-        return contextlib.nullcontext(ExternalDeployment(plan.server_url, spec, label, name)), name
-    return (launcher or launch_vllm)(spec, out / "logs"), spec.name
+def _endpoint(plan: SweepPlan, spec: DeploymentSpec, out: Path, launcher: Launcher | None, label: str,
+              api_key: str | None) -> contextlib.AbstractContextManager[Endpoint]:
+    if plan.server_url:  # measured, never started: ``spec`` only says what runs there
+        return endpoint(plan.server_url, log_dir=out / "logs", api_key=api_key, served_name=plan.served_name,
+                        runs=spec, label=label)
+    return endpoint(spec, log_dir=out / "logs", launcher=launcher, api_key=api_key)
 
 
 def _run_deployment(plan: SweepPlan, spec: DeploymentSpec, pending: list[PointConfig], out: Path,
-                    machine: Machine, launcher: Launcher | None, reporter: Reporter) -> int:
+                    machine: Machine, launcher: Launcher | None, reporter: Reporter,
+                    api_key: str | None = None) -> int:
     """Start one deployment, measure its pending points; a server that dies is restarted once."""
     label = pending[0].deployment
     restarts = 0
@@ -275,35 +179,32 @@ def _run_deployment(plan: SweepPlan, spec: DeploymentSpec, pending: list[PointCo
     info: DeploymentInfo | None = None
     while pending:
         reporter.deployment(label, "starting")
-        try:
-            cm, model_name = _start(plan, spec, out, launcher, label)
-            dep = cm.__enter__()
-        except Exception as exc:  # a missing head, an engine that rejects the config...
-            reason = f"deployment did not start: {getattr(exc, 'reason', None) or exc}"
-            reporter.deployment(label, "failed")
-            for cfg in pending:
-                res = PointResult.failed(cfg, reason[:2000], machine=machine)
-                append_result(out, res)
-                reporter.point_finished(res)
-            return measured + len(pending)
-        try:
-            info = dep.describe()
+        with contextlib.ExitStack() as stack:
+            try:
+                ep = stack.enter_context(_endpoint(plan, spec, out, launcher, label, api_key))
+            except Exception as exc:  # a missing head, an engine that rejects the config, a refused key...
+                reason = f"deployment did not start: {getattr(exc, 'reason', None) or exc}"
+                reporter.deployment(label, "failed")
+                for cfg in pending:
+                    res = PointResult.failed(cfg, reason[:2000], machine=machine)
+                    append_result(out, res)
+                    reporter.point_finished(res)
+                return measured + len(pending)
+            info = ep.describe()
             reporter.deployment(label, "running")
             while pending:
                 cfg = pending[0]
-                res = _measure(plan, cfg, dep, model_name, info, machine, reporter)
+                res = _measure(cfg, ep, info, machine, reporter)
                 append_result(out, res)
                 reporter.point_finished(res)
                 pending.pop(0)
                 measured += 1
-                if res.status == "failed" and not dep.alive():
+                if res.status == "failed" and not ep.alive():
                     break
-        finally:
-            cm.__exit__(None, None, None)
         if pending:
             restarts += 1
             if restarts > 1 or plan.server_url:
-                reason = "server died twice" if not plan.server_url else dep.died_reason()
+                reason = "server died twice" if not plan.server_url else ep.died_reason()
                 for cfg in pending:
                     res = PointResult.failed(cfg, reason, machine=machine, deployment=info)
                     append_result(out, res)
@@ -332,23 +233,24 @@ def reply_quality(records: list, requests: list[ChatRequest]) -> tuple[float | N
             sum(with_gold) / len(with_gold) if with_gold else None)
 
 
-def _measure(plan: SweepPlan, cfg: PointConfig, dep: Any, model_name: str, info: DeploymentInfo,
-             machine: Machine, reporter: Reporter) -> PointResult:
+def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Machine,
+             reporter: Reporter) -> PointResult:
     reporter.point_started(cfg)
     started = now_iso()
     try:
         requests = load_request_set(cfg.request_set, cfg.n_requests + cfg.warmup, cfg.max_tokens, cfg.structured)
         load = LoadConfig(mode=cfg.mode, concurrency=cfg.concurrency or 1, rate=cfg.rate, n_requests=cfg.n_requests,
                           duration_s=cfg.duration_s, warmup=cfg.warmup, temperature=cfg.temperature, seed=cfg.seed)
-        result = asyncio.run(run_load(dep.url, model_name, requests, load,
-                                      on_done=lambda r: reporter.request_done(r.ok)))
+        result = asyncio.run(run_load(ep.url, ep.served_name, requests, load,
+                                      on_done=lambda r: reporter.request_done(r.ok), api_key=ep.api_key,
+                                      metrics=ep.has_metrics))
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
-        if not dep.alive():
-            reason = dep.died_reason()
+        if not ep.alive():
+            reason = ep.died_reason()
         return PointResult.failed(cfg, reason[:2000], started_at=started, machine=machine, deployment=info)
-    if not dep.alive():
-        return PointResult.failed(cfg, dep.died_reason(), started_at=started, machine=machine, deployment=info,
+    if not ep.alive():
+        return PointResult.failed(cfg, ep.died_reason(), started_at=started, machine=machine, deployment=info,
                                   records=result.records, wall_s=result.wall_s, n_requests=len(result.records),
                                   n_errors=sum(1 for r in result.records if not r.ok))
     json_valid, exact = reply_quality(result.records, requests)

@@ -27,12 +27,12 @@ def load_requests(data: str, limit: int | None = None) -> list[Request]:
 
 
 async def _ask_all(url: str, served_name: str, reqs: list[Request], concurrency: int, max_tokens: int,
-                   structured: bool, temperature: float = 0.0) -> list[Any]:
+                   structured: bool, temperature: float = 0.0, api_key: str | None = None) -> list[Any]:
     from rich.progress import Progress
 
     from ..serving.client import ChatClient, gather_limited
 
-    async with ChatClient(url, served_name) as client:
+    async with ChatClient(url, served_name, api_key=api_key) as client:
         with Progress(transient=False) as bar:
             task = bar.add_task("requests", total=len(reqs))
             coros = [client.chat(messages(r), max_tokens=max_tokens, temperature=temperature,
@@ -60,24 +60,32 @@ def score_replies(reqs: list[Request], replies: list[Any]) -> tuple[dict[str, An
 def evaluate_model(model: str = "commerce", data: str = "test", out: Path = Path("runs/eval-model.json"),
                    server: str | None = None, served_name: str = "cartspec", structured: bool = False,
                    concurrency: int = 16, max_tokens: int = 160, limit: int | None = None,
-                   log_dir: Path = Path("runs/logs"), dtype: str = "auto") -> dict[str, Any]:
+                   log_dir: Path = Path("runs/logs"), dtype: str = "auto",
+                   api_key_env: str | None = None) -> dict[str, Any]:
+    """Score ``model`` (started with vLLM) or ``server`` (a running endpoint, its key in the environment
+    variable ``api_key_env``) on ``data``; writes the scores to ``out`` and each reply beside it."""
+    from ..serving.endpoint import api_key_from_env, endpoint
     from ..serving.engine import engine_versions
-    from ..serving.server import VllmServer
     from ..serving.spec import DeploymentSpec
 
+    api_key = api_key_from_env(api_key_env)  # before the slow part: a missing key fails at once
     reqs = load_requests(data, limit)
     t0 = time.time()
     meta: dict[str, Any] = {"model": model, "data": data, "structured": structured, "temperature": 0.0,
                             "max_tokens": max_tokens}
     if server:
-        replies = asyncio.run(_ask_all(server, served_name, reqs, concurrency, max_tokens, structured))
         meta["server"] = server
+        if api_key_env:
+            meta["server_api_key_env"] = api_key_env  # the variable's name; the key is never written
+        target: DeploymentSpec | str = server
     else:
-        spec = DeploymentSpec(name=served_name, model=model, dtype=dtype).resolved()
-        meta["dtype"] = spec.dtype
-        with VllmServer(spec, log_dir=log_dir) as srv:
-            meta["deployment"] = srv.info().__dict__
-            replies = asyncio.run(_ask_all(srv.url, served_name, reqs, concurrency, max_tokens, structured))
+        target = DeploymentSpec(name=served_name, model=model, dtype=dtype).resolved()
+        meta["dtype"] = target.dtype
+    with endpoint(target, log_dir=log_dir, api_key=api_key, served_name=served_name) as ep:
+        if not server:
+            meta["deployment"] = ep.describe().model_dump(mode="json")
+        replies = asyncio.run(_ask_all(ep.url, ep.served_name, reqs, concurrency, max_tokens, structured,
+                                       api_key=ep.api_key))
     summary, rows = score_replies(reqs, replies)
     summary["meta"] = {**meta, "seconds": round(time.time() - t0, 1), "versions": engine_versions()}
     out = Path(out)

@@ -11,6 +11,39 @@ from typing import Any, Iterable
 import httpx
 
 
+# Liveness paths, in the order they are tried: vLLM and SGLang answer ``/health``; NVIDIA NIM answers
+# ``/v1/health/ready`` (its ``/health`` is 404); any OpenAI-compatible server answers ``/v1/models``.
+HEALTH_PATHS = ("/health", "/v1/health/ready", "/v1/models")
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header every call to a keyed endpoint carries (health, models, metrics and chat alike)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def chat_body(model: str, messages: list[dict[str, str]], *, max_tokens: int, temperature: float,
+              seed: int | None = None, json_schema: dict[str, Any] | None = None, schema_name: str = "reply",
+              stream: bool = False, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The body of one ``/v1/chat/completions`` request; every caller builds it here.
+
+    ``json_schema`` constrains the reply (OpenAI's ``response_format``, vLLM structured outputs);
+    ``schema_name`` only labels it. ``stream`` asks for chunks and a final usage chunk (the load
+    generator times them). ``extra`` is merged last, so a caller can add any engine-specific field.
+    """
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
+                            "temperature": temperature}
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    if seed is not None:
+        body["seed"] = seed
+    if json_schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": schema_name, "schema": json_schema}}
+    if extra:
+        body.update(extra)
+    return body
+
+
 class UpstreamError(RuntimeError):
     """The model server refused or failed a request; ``status`` is its HTTP code (0: unreachable)."""
 
@@ -35,22 +68,16 @@ class ChatClient:
                  max_connections: int = 256):
         self.base_url = base_url.rstrip("/")
         self.model = model
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=headers, limits=limits)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, headers=auth_headers(api_key),
+                                       limits=limits)
+        self._health_path = HEALTH_PATHS[0]
 
     async def chat(self, messages: list[dict[str, str]], max_tokens: int = 256, temperature: float = 0.0,
                    json_schema: dict[str, Any] | None = None, seed: int | None = None,
                    extra: dict[str, Any] | None = None) -> Completion:
-        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
-                                "temperature": temperature}
-        if seed is not None:
-            body["seed"] = seed
-        if json_schema is not None:
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "reply", "schema": json_schema}}
-        if extra:
-            body.update(extra)
+        body = chat_body(self.model, messages, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                         json_schema=json_schema, extra=extra)
         t0 = time.perf_counter()
         try:
             r = await self._http.post("/v1/chat/completions", json=body)
@@ -77,10 +104,15 @@ class ChatClient:
         return r.text
 
     async def healthy(self) -> bool:
-        try:
-            return (await self._http.get("/health", timeout=2.0)).status_code == 200
-        except httpx.HTTPError:
-            return False
+        """Whether the server answers one of ``HEALTH_PATHS``; the path that answered is tried first next time."""
+        for path in (self._health_path, *(p for p in HEALTH_PATHS if p != self._health_path)):
+            try:
+                if (await self._http.get(path, timeout=2.0)).status_code == 200:
+                    self._health_path = path
+                    return True
+            except httpx.HTTPError:
+                return False  # unreachable or too slow: no other path will do better, and probes must be quick
+        return False
 
     async def aclose(self) -> None:
         await self._http.aclose()

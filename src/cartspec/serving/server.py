@@ -3,8 +3,9 @@
 ``VllmServer`` starts ``python -m vllm.entrypoints.openai.api_server`` in its own
 process group on a free loopback port, logs to a file, waits for ``/health``,
 and always stops the whole group: on ``__exit__``, on interpreter exit, and on
-SIGTERM/SIGHUP of the caller (Ctrl-C raises ``KeyboardInterrupt``, which
-unwinds through ``__exit__`` or ``atexit``). A start that fails raises
+SIGTERM/SIGHUP of a caller that called ``install_signal_handlers()`` (the CLI
+does; Ctrl-C raises ``KeyboardInterrupt``, which unwinds through ``__exit__``
+or ``atexit``). A start that fails raises
 ``DeploymentError`` carrying the reason and the log tail.
 
 A caller can also die without running any Python (SIGKILL, OOM killer, a
@@ -333,10 +334,20 @@ def _on_signal(signum, frame):  # noqa: ARG001
     os.kill(os.getpid(), signum)
 
 
+def install_signal_handlers() -> None:
+    """Stop every live server on SIGTERM/SIGHUP, then die of the signal as before. Idempotent.
+
+    Called by the programs that own servers (the ``cartspec`` CLI, the benchmark drills), not at
+    import: a library import must not take over its host's signal handling. A handler someone else
+    installed is left alone, and so is everything off the main thread (Python allows no handler there).
+    """
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            if signal.getsignal(sig) in (signal.SIG_DFL, None):
+                signal.signal(sig, _on_signal)
+        except (ValueError, OSError):  # not in the main thread
+            pass
+
+
+# At import, unlike the signal handlers: an exit hook takes nothing from the host program.
 atexit.register(_stop_all)
-for _sig in (signal.SIGTERM, signal.SIGHUP):
-    try:
-        if signal.getsignal(_sig) in (signal.SIG_DFL, None):
-            signal.signal(_sig, _on_signal)
-    except (ValueError, OSError):  # not in the main thread
-        pass

@@ -14,13 +14,19 @@ chunk, as speculative decoding does), ``fail`` (answer 500), ``abort_after``
 speculative-decoding counters, advanced by ``drafts_per_token`` per token so
 that the scraper can be tested end to end.
 
-Run alone: ``python -m cartspec.bench.trivial_server --port 8123``.
+Other servers than vLLM, per server: ``health_paths`` (the liveness paths that
+answer 200; NVIDIA NIM answers ``/v1/health/ready`` and 404s ``/health``),
+``metrics=False`` (no ``/metrics``, as NIM and hosted APIs), ``api_key`` (every
+path answers 401 without ``Authorization: Bearer KEY``).
+
+Run alone: ``python -m cartspec.testing.trivial_server --port 8123``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http
 import json
 import threading
 import time
@@ -36,6 +42,9 @@ class FakeConfig:
     gamma: int = 3
     accept_per_pos: tuple[float, ...] = (0.6, 0.3, 0.1)  # accepted / drafts at each position
     reply: str | None = None  # streamed as the content (split over the tokens) instead of "tok tok ..."
+    health_paths: tuple[str, ...] = ("/health",)  # vLLM's; ("/v1/health/ready",) for NIM
+    metrics: bool = True  # serve vLLM's /metrics (False: 404, as NIM)
+    api_key: str | None = None  # required on every path as "Authorization: Bearer KEY" (401 without)
 
 
 @dataclass
@@ -48,6 +57,7 @@ class _Counters:
     in_flight: int = 0
     max_in_flight: int = 0
     seeds: list = field(default_factory=list)  # the "seed" of each chat request, None when absent
+    refused: list = field(default_factory=list)  # the paths answered 401 for want of the key
 
 
 class TrivialServer:
@@ -60,6 +70,7 @@ class TrivialServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: asyncio.base_events.Server | None = None
         self._thread: threading.Thread | None = None
+        self._serve_task: asyncio.Task | None = None
         self._ready = threading.Event()
 
     @property
@@ -76,7 +87,13 @@ class TrivialServer:
                 headers = {k.strip().lower(): v.strip() for k, v in
                            (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
                 body = await reader.readexactly(int(headers.get("content-length", 0) or 0))
-                if method == "POST" and path.startswith("/v1/chat/completions"):
+                route = path.split("?", 1)[0]
+                key = self.config.api_key
+                if key and headers.get("authorization") != f"Bearer {key}":
+                    self.counters.refused.append(route)
+                    self._plain(writer, 401, json.dumps({"error": {"message": "missing or invalid API key",
+                                                                   "type": "unauthorized"}}), "application/json")
+                elif method == "POST" and path.startswith("/v1/chat/completions"):
                     c = self.counters
                     c.in_flight += 1
                     c.max_in_flight = max(c.max_in_flight, c.in_flight)
@@ -84,9 +101,9 @@ class TrivialServer:
                         await self._chat(json.loads(body or b"{}"), writer)
                     finally:
                         c.in_flight -= 1
-                elif path.startswith("/metrics"):
+                elif route == "/metrics" and self.config.metrics:
                     self._plain(writer, 200, self.metrics_text(), "text/plain; version=0.0.4")
-                elif path.startswith("/health"):
+                elif route in self.config.health_paths:
                     self._plain(writer, 200, "")
                 elif path.startswith("/v1/models"):
                     self._plain(writer, 200, json.dumps({"object": "list", "data": [{"id": "trivial",
@@ -104,7 +121,7 @@ class TrivialServer:
     @staticmethod
     def _plain(writer: asyncio.StreamWriter, status: int, text: str, ctype: str = "text/plain") -> None:
         data = text.encode()
-        writer.write(f"HTTP/1.1 {status} {'OK' if status == 200 else 'ERR'}\r\nContent-Type: {ctype}\r\n"
+        writer.write(f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\nContent-Type: {ctype}\r\n"
                      f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
 
     @staticmethod
@@ -191,6 +208,7 @@ class TrivialServer:
 
     # --- lifecycle ----------------------------------------------------------
     async def serve(self) -> None:
+        self._serve_task = asyncio.current_task()
         self._server = await asyncio.start_server(self._handle, self.host, self.port, backlog=1024)
         self.port = self._server.sockets[0].getsockname()[1]
         self._ready.set()
@@ -217,11 +235,15 @@ class TrivialServer:
         loop = self._loop
         if loop and loop.is_running():
             async def shutdown():
-                self._server.close()
-                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                # The connections first, the listener last: closing it ends serve(), and with it the
+                # loop; were serve() cancelled with the rest, this coroutine would never finish and
+                # every stop would wait out its 5 s timeout.
+                serving = self._serve_task
+                tasks = [t for t in asyncio.all_tasks() if t not in (asyncio.current_task(), serving)]
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                self._server.close()
 
             try:
                 asyncio.run_coroutine_threadsafe(shutdown(), loop).result(5)
