@@ -2,7 +2,7 @@
 
 Same deployment, same requests, same order, temperature 0: once with
 ``response_format: json_schema`` (what the agent sends by default), once
-without. Per mode: acceptance rate and τ (design.md §6, summed over requests
+without. Per mode: acceptance rate and τ (summed over requests
 from vLLM's per-request metrics), schema validity, output tokens, latency.
 
 The grammar can both help (schema tokens become forced, the draft proposes

@@ -1,4 +1,4 @@
-"""Acceptance, defined once for the agent, as the study defines it (design.md §6).
+"""Acceptance, defined once for the agent, as the study defines it: accepted draft tokens / proposed draft tokens.
 
 rate = accepted / drafted tokens: ``SpecStats.acceptance_rate``, read from
 vLLM's per-request ``speculative_decoding`` counts the way the load generator

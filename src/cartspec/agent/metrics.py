@@ -1,7 +1,7 @@
 """Prometheus metrics of one agent app, in its own registry (two apps in one
 process, as in tests, never share counters).
 
-Acceptance follows design.md §6 (``acceptance.py``): rate = accepted / proposed
+Acceptance is defined once (``acceptance.py``): rate = accepted / proposed
 draft tokens; τ = 1 + accepted / drafts (verify steps). Both come from vLLM's
 per-request speculative metrics, summed per deployment, so they describe exactly
 the traffic this agent sent, not the server's lifetime.

@@ -6,7 +6,7 @@ loop sends requests at Poisson arrival times whatever the server does. A
 warm-up at the same load runs first and is not measured; the speculative
 counters are read from ``/metrics`` after it and after the last request.
 
-Per request (design.md §6): TTFT is start → first content chunk, E2EL is start
+Per request: TTFT is start → first content chunk, E2EL is start
 → last content chunk, ITL are the gaps between content chunks (one chunk can
 carry several tokens under speculation), TPOT is (E2EL − TTFT) / (tokens − 1)
 with the token count from the server's usage chunk. A request that fails is

@@ -3,7 +3,7 @@
 A result file is an API: every line carries the full point configuration, the
 deployment (spec, engine and model versions), the machine, the per-request
 records and the aggregates, and loads back into the same model. Metric names
-follow design.md §6 (TTFT, TPOT, ITL, E2EL, output throughput, acceptance rate,
+are the usual ones (TTFT, TPOT, ITL, E2EL, output throughput, acceptance rate,
 τ, per-position acceptance, goodput).
 """
 

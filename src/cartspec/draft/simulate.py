@@ -12,7 +12,7 @@ that counts. The first output token comes from prefill and is never drafted,
 as in vLLM.
 
 ``summarize`` turns per-step records (accepted, drafted, classes of the drafted
-positions) into the metric shape shared with ``acceptance`` (design.md §6).
+positions) into the metric shape shared with ``acceptance``.
 """
 
 from __future__ import annotations

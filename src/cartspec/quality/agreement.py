@@ -1,7 +1,7 @@
 """Is quality preserved? Agreement with the baseline and a paired test on accuracy.
 
 Speculative decoding is lossless in exact arithmetic, but kernels and bf16 make
-real runs differ (design.md §4), so this is measured: the candidate's reply to
+real runs differ, so this is measured: the candidate's reply to
 each request is compared with the baseline's (exact text, and equal as parsed
 JSON), and the paired difference in exact-match accuracy gets a bootstrap
 interval and an exact McNemar test. The verdict is a statistical statement

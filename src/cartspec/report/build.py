@@ -2,8 +2,8 @@
 
 Everything here is a function of the results file (and ``run.json`` beside
 it), so ``cartspec report --run DIR`` rebuilds the same report at any time.
-Speedups are ratios of points measured in the same run on the same machine
-(design.md §6): absolute times on shared machines drift, ratios hold.
+Speedups are ratios of points measured in the same run on the same machine:
+absolute times on shared machines drift, ratios hold.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..bench.results import PointResult, load_results
 from ..serving.spec import schedule_gamma
 from .template import render_html
 
-# The published study (design.md §1), for the side-by-side table.
+# The published study (PayPal Commerce Agent: llama3.1-nemotron-nano-8B + LoRA, EAGLE-3 on vLLM, 2xH100), for the side-by-side table.
 PUBLISHED = {
     "gain_g3": "+22% to +49%",
     "latency_g3": "18% to 33% lower",
