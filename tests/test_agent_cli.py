@@ -17,6 +17,20 @@ from cartspec.model.convert import ModelNotFound
 from test_agent_app import FakeUpstream, _free_port
 
 
+def wait_ready(proc: subprocess.Popen, port: int) -> str:
+    """The base URL of a `cartspec serve` subprocess once it answers /ready (fails with its output if it dies)."""
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 30
+    while True:
+        try:
+            if httpx.get(base + "/ready", timeout=1).status_code == 200:
+                return base
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "slow"
+        time.sleep(0.2)
+
+
 def test_default_spec_uses_a_head_when_there_is_one(tmp_path):
     head = tmp_path / "head"
     head.mkdir()
@@ -61,16 +75,7 @@ def test_serve_with_upstream_answers_and_stops_on_ctrl_c(tmp_path):
                              "--label", "ngram-g3", "--port", str(port), "--trace", str(tmp_path / "t.jsonl")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 30
-        while True:
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "slow"
-            time.sleep(0.2)
+        base = wait_ready(proc, port)
         r = httpx.post(base + "/v1/search", json={"query": "red running shoes"})
         assert r.status_code == 200 and r.headers["x-cartspec-deployment"] == "ngram-g3"
         assert r.json()["keywords"] == "running shoes"

@@ -22,6 +22,7 @@ from cartspec.agent.config import AgentConfig, AdmissionConfig, RouterConfig
 from cartspec.agent.wiring import apply_flags, build_upstreams, plain_spec
 from cartspec.serving.spec import DeploymentSpec, Speculative
 from test_agent_app import FakeUpstream, _free_port
+from test_agent_cli import wait_ready
 
 DOMAIN = DeploymentSpec(model="commerce", enforce_eager=True, engine_args=["--enable-per-request-metrics"],
                         speculative=Speculative(method="eagle3", model="domain", num_speculative_tokens=3))
@@ -159,16 +160,7 @@ def test_serve_with_two_upstreams_routes_between_them(tmp_path):
                              "--trace", str(tmp_path / "t.jsonl"), "--admission-max-wait", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 30
-        while True:
-            try:
-                if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() else "slow"
-            time.sleep(0.2)
+        base = wait_ready(proc, port)
         info = httpx.get(base + "/v1/info").json()
         assert {t: d["label"] for t, d in info["deployments"].items()} == {"speculative": "eagle3-domain-g3",
                                                                            "plain": "baseline"}

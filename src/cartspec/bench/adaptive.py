@@ -8,8 +8,8 @@ its schedule comes from, in order:
    (the ``paper`` preset measures them before the adaptive row);
 3. a calibration (``--preset calibrate``, a few minutes) run into the cache first.
 
-Whichever it was, the tuned spec and the tuning's figures are cached, so ``cartspec serve --spec``
-and a rerun of the study use the same schedule; the run's log says which source was used.
+Whichever it was, the tuned spec is cached, so ``cartspec serve --adaptive`` and a rerun of the
+study use the same schedule; the run's log says which source was used.
 """
 
 from __future__ import annotations
