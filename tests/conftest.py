@@ -70,3 +70,36 @@ def _isolated_home(tmp_path_factory):
         os.environ.pop("CARTSPEC_HOME", None)
     else:
         os.environ["CARTSPEC_HOME"] = before
+
+
+# --- tiny random targets of each supported architecture (built in the test, never downloaded) ---------
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+ARCHITECTURES = ("llama", "llama3", "qwen3")
+
+
+def make_tiny_target(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0, dtype: str = "bfloat16",
+                     **overrides) -> Path:
+    """``llama`` (plain RoPE), ``llama3`` (Llama 3.1-style ``rope_scaling``, theta 500000, scaled below
+    position 64 already) or ``qwen3`` (q/k norms, untied lm_head, theta 1e6), with SmolLM2's tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    common = dict(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                  pad_token_id=tok.pad_token_id, rms_norm_eps=1e-5, **TINY)
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **{**common, **overrides}))
+    elif arch == "llama3":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, rope_theta=500000.0,
+                                             rope_scaling=dict(LLAMA3_ROPE), **{**common, **overrides}))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(tie_word_embeddings=False, rope_theta=1e6,
+                                             **{**common, **overrides}))
+    else:
+        raise ValueError(arch)
+    model.to(getattr(torch, dtype)).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -49,13 +49,15 @@ def test_missing_model_errors_say_what_to_do(tmp_path):
 
 
 def test_adapter_directory_is_merged_onto_the_base(tmp_path, monkeypatch):
-    """`--model runs/lora/v3` (a build-model --adapter-out) serves base + that adapter."""
+    """`--model runs/lora/v3` (a build-model --adapter-out, trained on the converted SmolLM2, possibly on
+    another machine) serves base + that adapter."""
     from cartspec.model import registry
 
     merged = []
     monkeypatch.setattr(registry, "merged_commerce", lambda adapter: merged.append(adapter) or tmp_path / "m")
     (tmp_path / "adapter").mkdir()
-    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter" / "adapter_config.json").write_text(
+        '{"base_model_name_or_path": "/elsewhere/.cache/cartspec/models/base-b179c9523d0e"}')
     assert registry.resolve_model(str(tmp_path / "adapter")) == tmp_path / "m"
     assert merged == [tmp_path / "adapter"]
     with pytest.raises(ModelNotFound, match="GGUF file not found"):

@@ -144,11 +144,13 @@ def _register_stages() -> None:
     from .analysis.cli import register as register_analysis
     from .bench.cli import register as register_bench
     from .draft.cli import app as draft_app
+    from .quality.cli import register as register_quality
 
     app.command("serve")(serve)
     app.add_typer(draft_app, name="draft")
     register_bench(app)  # study, report
     register_analysis(app)  # tune
+    register_quality(app)  # quality
 
 
 _register_stages()

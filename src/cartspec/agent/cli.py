@@ -17,23 +17,33 @@ if TYPE_CHECKING:
 console = Console(stderr=True)
 
 
-def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: str = "auto") -> "DeploymentSpec":
-    """The deployment ``serve`` runs: the commerce target; EAGLE-3 with the domain
-    head at γ=3 when the head is there (the study's best γ), otherwise no speculation."""
+# What `serve` drafts with by default: the method measured best for the bundled model and head
+# (`cartspec draft acceptance --method eagle3|hybrid --head domain`, T=0, test split).
+DEFAULT_DRAFT = "eagle3"
+
+
+def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: str = "auto",
+                 draft: str = DEFAULT_DRAFT) -> "DeploymentSpec":
+    """The deployment ``serve`` runs: the commerce target; the domain head at γ=3 when the head is
+    there (the study's best γ), drafting with ``draft`` (eagle3, or hybrid: the head plus prompt
+    lookup), otherwise no speculation."""
     from ..model.convert import ModelNotFound
-    from ..model.registry import resolve_head
+    from ..model.registry import matching_bundled_head, resolve_head, resolve_model
     from ..serving.spec import DeploymentSpec, Speculative
 
     speculative = Speculative()
-    if head != "none":
+    if head == "auto":  # only a bundled head trained for this target (or for its base)
         try:
-            resolve_head("domain" if head == "auto" else head)
-            speculative = Speculative(method="eagle3", model="domain" if head == "auto" else head,
-                                      num_speculative_tokens=gamma)
+            head = matching_bundled_head(resolve_model(model)) or "none"
         except ModelNotFound as exc:
-            if head != "auto":
-                raise
-            console.print(f"[yellow]no domain head ({exc}); serving without speculation[/]")
+            console.print(f"[yellow]{exc}[/]")
+            head = "none"
+        if head == "none":
+            console.print(f"[yellow]no bundled head was trained for {model}: serving without speculation "
+                          "(train one: cartspec draft train --target MODEL --prompts FILE.jsonl)[/]")
+    if head != "none":
+        resolve_head(head)
+        speculative = Speculative(method=draft, model=head, num_speculative_tokens=gamma)
     # Per-request timing metrics give the trace vLLM's own queue time and TTFT.
     return DeploymentSpec(model=model, speculative=speculative, enforce_eager=enforce_eager, dtype=dtype,
                           engine_args=["--enable-per-request-metrics"])
@@ -90,6 +100,8 @@ def serve(
     model: str = typer.Option("commerce", help="target: commerce | base | PATH to an HF directory"),
     head: str = typer.Option("auto", help="EAGLE-3 head: auto (domain when present) | none | domain | generic | PATH"),
     gamma: int = typer.Option(3, min=1, max=16, help="γ, draft tokens per step"),
+    draft: str = typer.Option(DEFAULT_DRAFT, help="how the head drafts: eagle3 | hybrid (EAGLE-3 + prompt lookup of "
+                              "the shopper's words); the default is the one measured best for the bundled model"),
     adaptive: bool = typer.Option(False, "--adaptive", help="γ per batch size, tuned for this machine: the "
                                   "schedule cached by an earlier study or tune, else a calibration first (a few "
                                   "minutes); replaces --gamma"),
@@ -133,6 +145,7 @@ def serve(
                                            "bfloat16) | bfloat16 | float32 | float16; a --spec file's own wins "
                                            "unless this is set"),
     restart: bool = typer.Option(True, help="restart vLLM if it dies"),
+    force: bool = typer.Option(False, "--force", help="serve a head trained for another target anyway (warns)"),
 ) -> None:
     """Serve the commerce agent (search parameters, support replies) on a vLLM deployment,
     or on two (--plain): speculative and plain, with the router and the acceptance fallback."""
@@ -178,11 +191,17 @@ def serve(
                 spec = DeploymentSpec.load(spec_file)
                 spec = spec.model_copy(update={"dtype": dtype}) if dtype != "auto" else spec
             elif not upstream:
-                spec = default_spec(model, head, gamma, enforce_eager, dtype)
+                if draft not in ("eagle3", "hybrid"):
+                    raise ValueError(f"--draft must be eagle3 or hybrid, not {draft!r}")
+                spec = default_spec(model, head, gamma, enforce_eager, dtype, draft)
                 if adaptive:
                     spec = _adaptive(spec, log_dir)
             elif plain and not plain_upstream:  # only its target matters: it runs without speculation
                 spec = default_spec(model, "none", gamma, enforce_eager, dtype)
+            if spec is not None and not upstream:  # a head trained for another model: refuse (or --force)
+                from ..model.registry import check_spec_head
+
+                check_spec_head(spec, force=force, warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
             ups = build_upstreams(spec, open_endpoint, upstream=upstream, served_name=served_name, label=label,
                                   plain=plain, plain_upstream=plain_upstream, plain_served_name=plain_served_name)
         except (DeploymentError, EndpointError, ModelNotFound, FileNotFoundError, ValueError) as exc:
@@ -214,7 +233,7 @@ def _adaptive(spec: "DeploymentSpec", log_dir: Path) -> "DeploymentSpec":
 
     sp = spec.speculative
     if sp.method != "eagle3":
-        raise ValueError("--adaptive needs an EAGLE-3 head (--head)")
+        raise ValueError("--adaptive needs an EAGLE-3 head (--head) drafting alone (--draft eagle3)")
     spec = spec.model_copy(update={"speculative": sp.model_copy(update={"adaptive": True,
                                                                        "num_speculative_tokens": None})})
     return resolve_adaptive(spec, tune_dir() / "no-run", lambda s, d: run_calibration(s, d),

@@ -47,7 +47,7 @@ from ..bench.results import PointResult
 from ..config_files import FileModel
 
 #: Methods whose drafts come from a model forward: the ones this cost model describes.
-MODEL_DRAFTERS = ("eagle3", "draft_model")
+MODEL_DRAFTERS = ("eagle3", "draft_model", "hybrid")  # hybrid: EAGLE-3 forwards + a CPU lookup
 
 CALIBRATE_HINT = "run `cartspec study --preset calibrate`"
 

@@ -182,6 +182,13 @@ def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_g
         reason = "measured" if any(source[g] != "model" for g in gammas[1:]) else "model"
         choices.append(BatchChoice(batch=b, k=k, reason=reason, predicted_throughput=thr, speedup=speedup,
                                    source=source))
+    # γ never rises with the batch: verification costs grow with b·(γ+1) while a draft's worth does not,
+    # so a larger γ at a larger batch is a noisy measured point, not the machine.
+    for prev, cur in zip(choices, choices[1:]):
+        if cur.k > prev.k:
+            notes.append(f"batch {cur.batch}: γ={cur.k} ({cur.reason}) capped at γ={prev.k}, the γ of batch "
+                         f"{prev.batch} (γ never rises with load)")
+            cur.k = prev.k
     schedule = merge_schedule([c.k for c in choices])
     if not any(k for *_, k in schedule):
         notes.append(f"speculation with head {head!r} beats plain decoding at no batch size on this machine: "

@@ -88,7 +88,7 @@ def study(
         "sent as 'Authorization: Bearer KEY' (NIM, hosted APIs); run.json records VAR, never the key"),
     deployments: Optional[str] = typer.Option(
         None, help="comma list replacing the preset's: baseline, ngram:3, eagle3:domain:3, eagle3:PATH:5, "
-                   "eagle3:domain:auto (γ per batch size tuned for this machine) "
+                   "eagle3:domain:auto (γ per batch size tuned for this machine), hybrid:domain:3 (EAGLE-3 + prompt lookup) "
                    "(with --server: what that endpoint runs, for labels)"),
     spec_files: Optional[str] = typer.Option(
         None, "--spec", help="comma list of DeploymentSpec files (YAML/TOML/JSON, e.g. from `cartspec tune`), "
@@ -109,6 +109,16 @@ def study(
     seed: int = typer.Option(0, help="at T > 0 each request carries a seed derived from this (paired runs); "
                                      "-1: send none, as production clients do"),
     target_rps: Optional[float] = typer.Option(None, help="load to size instances for (req/s); default 2x the baseline's capacity"),
+    samples: int = typer.Option(1, min=1, help="replies per request at every point (sample j of request i gets the "
+                                               "same seed on every deployment): more paired samples at T > 0 make "
+                                               "the quality verdict conclusive sooner (`cartspec quality` says how many)"),
+    quality_metric: str = typer.Option("exact_match", "--quality-metric",
+                                       help="the metric the quality verdict rests on: exact_match | field_accuracy | "
+                                            "json_valid | schema_valid"),
+    judge: Optional[str] = typer.Option(None, help="after the sweep, also judge replies pairwise with this "
+                                                   "OpenAI-compatible endpoint, or 'local' to start one (slow on CPU); "
+                                                   "default: structured tests only"),
+    force: bool = typer.Option(False, "--force", help="measure heads trained for another target anyway (warns)"),
 ) -> None:
     """Run the speculative-decoding study (sweep, then report) and print a verdict."""
     from ..report.build import build_report
@@ -151,6 +161,15 @@ def study(
         plan.deployments = plan.deployments if deployments else [DeploymentSpec(model=served_name or "server")]
     if enforce_eager:
         plan.deployments = [d.model_copy(update={"enforce_eager": True}) for d in plan.deployments]
+    if not server:  # a head trained for another target than the served one: refuse before starting anything
+        from ..model.registry import HeadMismatch, check_spec_head
+
+        try:
+            for d in plan.deployments:
+                check_spec_head(d, force=force, warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
+        except HeadMismatch as exc:
+            console.print(f"[bold red]error:[/] {exc}")
+            raise typer.Exit(2)
     if not server:  # an endpoint we do not start runs whatever dtype it runs
         # an explicit --dtype wins; otherwise a spec file's own dtype does, and "auto" is picked here
         plan.deployments = [(d.model_copy(update={"dtype": dtype}) if dtype != "auto" else d).resolved()
@@ -166,6 +185,7 @@ def study(
     plan.structured = structured
     plan.slo_e2el_s = slo
     plan.seed = seed
+    plan.samples = samples
     out = out or Path("runs") / f"study-{preset}"
     n_points = len(plan.all_points())
     if not server:
@@ -182,6 +202,9 @@ def study(
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted: finished points are in {out}/results.jsonl; rerun to resume[/]")
         raise typer.Exit(130)
+    from ..quality.cli import quality_after_study
+
+    quality_after_study(out, metric=quality_metric, judge=judge, console=console)
     report = build_report(out, target_rps=target_rps)
     minutes = (time.monotonic() - t0) / 60
     print_table(report.rows)

@@ -30,7 +30,10 @@ from .results import RequestRecord, SpecStats
 
 Clock = Callable[[], float]
 SPEC_KEYS = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "mean_acceptance_length",
-             "draft_acceptance_rate")
+             "draft_acceptance_rate",
+             # per verify step (``--per-request-spec-decode-metrics detailed``): acceptance per token class
+             # in the report (report/classes.py) places each step on the reply's tokens
+             "per_step_accepted", "per_step_drafted")
 
 
 @dataclass
@@ -44,6 +47,7 @@ class ChatRequest:
     json_schema: dict[str, Any] | None = None  # constrain the reply to it (structured outputs)
     schema_name: str = "reply"
     source: Any = None  # the task request it came from (with gold, when known): lets a point score its replies
+    sample: int = 0  # which reply to this request (a point may ask each request several times)
 
 
 @dataclass
@@ -144,7 +148,9 @@ async def stream_chat(http: httpx.AsyncClient, model: str, req: ChatRequest, tem
         error = f"{type(exc).__name__}: {exc}"[:300]
     except (json.JSONDecodeError, ValueError) as exc:
         error = f"bad stream payload: {exc}"[:300]
-    return record_from_events(req.id, t0, content_times, usage, clock(), error, status, spec, "".join(pieces))
+    rec = record_from_events(req.id, t0, content_times, usage, clock(), error, status, spec, "".join(pieces))
+    rec.sample = req.sample
+    return rec
 
 
 OnDone = Callable[[RequestRecord], None]

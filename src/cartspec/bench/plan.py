@@ -28,6 +28,8 @@ class SweepPlan(BaseModel):
     max_tokens: int = 128
     structured: bool = False
     seed: int = 0
+    samples: int = Field(1, ge=1, description="replies per request (paired seeds): at T > 0 several samples per "
+                                              "request make the paired quality tests conclusive sooner")
     slo_e2el_s: float = 2.0
     server_url: str | None = Field(None, description="measure this running endpoint instead of starting vLLM")
     served_name: str | None = None
@@ -35,10 +37,10 @@ class SweepPlan(BaseModel):
     def points(self, deployment: DeploymentSpec, label: str | None = None) -> list[PointConfig]:
         sp = deployment.speculative
         common = dict(deployment=label or deployment.label, method=sp.method, gamma=sp.num_speculative_tokens,
-                      head=sp.model if sp.method == "eagle3" else None,
+                      head=sp.model if sp.method in ("eagle3", "hybrid") else None,
                       spec=deployment.model_dump(mode="json"), max_tokens=self.max_tokens,
                       structured=self.structured, seed=self.seed, slo_e2el_s=self.slo_e2el_s,
-                      duration_s=self.duration_s)
+                      duration_s=self.duration_s, samples=self.samples)
         loads: list[dict[str, Any]] = ([dict(mode="open", rate=r, concurrency=None) for r in self.rates]
                                        if self.rates else [dict(mode="closed", concurrency=c) for c in self.concurrencies])
         out = []
@@ -72,7 +74,7 @@ def adaptive_deployment(model: str, head: str) -> DeploymentSpec:
 
 def parse_deployment(text: str, model: str) -> DeploymentSpec:
     """``baseline`` | ``ngram:3`` | ``eagle3:domain:3`` | ``eagle3:/path/to/head:5`` | ``eagle3:domain:auto``
-    (γ per batch size, tuned for this machine) -> a spec."""
+    (γ per batch size, tuned for this machine) | ``hybrid:domain:3`` (EAGLE-3 + prompt lookup) -> a spec."""
     parts = text.split(":")
     if parts[0] in ("baseline", "none"):
         return baseline(model)
@@ -80,9 +82,10 @@ def parse_deployment(text: str, model: str) -> DeploymentSpec:
         return adaptive_deployment(model, ":".join(parts[1:-1]))
     if parts[0] in ("ngram", "suffix") and len(parts) == 2:
         return spec_deployment(model, parts[0], int(parts[1]))
-    if parts[0] in ("eagle3", "draft_model") and len(parts) >= 3:
+    if parts[0] in ("eagle3", "draft_model", "hybrid") and len(parts) >= 3:
         return spec_deployment(model, parts[0], int(parts[-1]), ":".join(parts[1:-1]))
-    raise ValueError(f"cannot read deployment {text!r}: use baseline, ngram:γ, eagle3:HEAD:γ or eagle3:HEAD:auto")
+    raise ValueError(f"cannot read deployment {text!r}: use baseline, ngram:γ, eagle3:HEAD:γ, eagle3:HEAD:auto "
+                     "or hybrid:HEAD:γ")
 
 
 def head_available(name: str) -> bool:

@@ -88,10 +88,15 @@ class PointConfig(BaseModel):
     structured: bool = False
     seed: int = Field(0, description="per-request sampling seeds derive from it at T > 0; negative: none sent")
     slo_e2el_s: float = 2.0
+    samples: int = Field(1, ge=1, description="replies per measured request (sample j of request i gets the same "
+                                              "seed on every deployment): n_requests x samples replies in all")
 
     @property
     def key(self) -> str:
-        return config_digest(self.model_dump(mode="json"))
+        dump = self.model_dump(mode="json")
+        if self.samples == 1:  # points measured before samples existed keep their keys (resume)
+            dump.pop("samples")
+        return config_digest(dump)
 
     @property
     def load(self) -> str:
@@ -125,6 +130,8 @@ class RequestRecord(BaseModel):
     """One measured request. Times in seconds; ``start`` is relative to the point's start."""
 
     id: str = ""
+    sample: int = Field(0, description="which of the point's replies to this request (0..samples-1); "
+                                       "(id, sample) pairs a reply with another deployment's")
     start: float = 0.0
     ttft: float | None = None
     e2el: float | None = None

@@ -233,13 +233,28 @@ def reply_quality(records: list, requests: list[ChatRequest]) -> tuple[float | N
             sum(with_gold) / len(with_gold) if with_gold else None)
 
 
+def with_samples(requests: list[ChatRequest], n: int, samples: int) -> list[ChatRequest]:
+    """The first ``n`` requests, each ``samples`` times in a row (sample 0, 1, ...), then the rest (the
+    warm-up takes its requests from the end). The load generator seeds the i-th measured request
+    ``seed * 100003 + i``, so sample j of request r gets seed ``seed * 100003 + r * samples + j`` on every
+    deployment: a speculative reply pairs with the baseline's drawn with the same seed."""
+    if samples <= 1:
+        return requests
+    import dataclasses
+
+    head = [dataclasses.replace(r, sample=j) for r in requests[:n] for j in range(samples)]
+    return head + list(requests[n:])
+
+
 def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Machine,
              reporter: Reporter) -> PointResult:
     reporter.point_started(cfg)
     started = now_iso()
     try:
         requests = load_request_set(cfg.request_set, cfg.n_requests + cfg.warmup, cfg.max_tokens, cfg.structured)
-        load = LoadConfig(mode=cfg.mode, concurrency=cfg.concurrency or 1, rate=cfg.rate, n_requests=cfg.n_requests,
+        requests = with_samples(requests, cfg.n_requests, cfg.samples)
+        load = LoadConfig(mode=cfg.mode, concurrency=cfg.concurrency or 1, rate=cfg.rate,
+                          n_requests=cfg.n_requests * cfg.samples,
                           duration_s=cfg.duration_s, warmup=cfg.warmup, temperature=cfg.temperature, seed=cfg.seed)
         result = asyncio.run(run_load(ep.url, ep.served_name, requests, load,
                                       on_done=lambda r: reporter.request_done(r.ok), api_key=ep.api_key,

@@ -24,11 +24,17 @@ from typing import Any, Callable, Sequence
 from ..task.data import Request, read_requests
 
 SPLIT_SIZES = {"train": 2400, "dev": 200, "test": 400}  # `cartspec data` defaults
+NOVEL_SIZE = 100  # `novel`: held-out-style requests with words in no generator pool (task/novel.py)
 
 
 def load_data(data: str, limit: int | None = None, seed: int = 0) -> list[Request]:
-    """``train|dev|test`` (generated, seed 0, the sizes ``cartspec data`` writes) or a JSONL file."""
-    if data in SPLIT_SIZES:
+    """``train|dev|test`` (generated, seed 0, the sizes ``cartspec data`` writes), ``novel`` (words the
+    model never saw, ``task.novel``) or a JSONL file."""
+    if data == "novel":
+        from ..task.novel import novel_requests
+
+        reqs = novel_requests(max(limit or 0, NOVEL_SIZE), seed)
+    elif data in SPLIT_SIZES:
         from ..task.generator import generate
 
         reqs = generate(data, SPLIT_SIZES[data], seed)  # type: ignore[arg-type]
@@ -53,7 +59,9 @@ def _count_classes(classes: Sequence[Sequence[str]]) -> dict[str, int]:
 def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], head: str | None = None,
                  concurrency: int = 8, max_tokens: int = 192, log_dir: str | Path = "runs/logs",
                  log: Callable[[str], None] = print, enforce_eager: bool = False,
-                 on_done: Callable[[int, int], None] | None = None, dtype: str = "auto") -> dict[str, Any]:
+                 on_done: Callable[[int, int], None] | None = None, dtype: str = "auto",
+                 hybrid: Any = None) -> dict[str, Any]:
+    """``method``: eagle3 | ngram | hybrid (``hybrid``: a ``serving.hybrid.HybridConfig``, default its DEFAULT)."""
     from transformers import AutoTokenizer
 
     from ..model.registry import resolve_head, resolve_model
@@ -65,9 +73,9 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
     from .simulate import steps_from_vllm, summarize
 
     model_dir = resolve_model(target)
-    head_dir = resolve_head(head) if method == "eagle3" else None
+    head_dir = resolve_head(head) if method in ("eagle3", "hybrid") else None
     sp = Speculative(method=method, num_speculative_tokens=gamma,
-                     model=str(head_dir) if head_dir else None)
+                     model=str(head_dir) if head_dir else None, **_hybrid_fields(method, hybrid))
     spec = DeploymentSpec(name="cartspec", model=str(model_dir), speculative=sp, enforce_eager=enforce_eager,
                           max_num_seqs=max(concurrency, 1), dtype=dtype).resolved()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -129,12 +137,23 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
                                         f"replay reproduces the engine's per-step counts for "
                                         f"{aligned['replay_agrees_with_engine']}")
         summary["replay_agrees_with_engine"] = aligned.get("replay_agrees_with_engine")
+    if method == "hybrid":
+        summary["hybrid"] = sp.hybrid_config().__dict__
     out_tokens = sum(len(o) for o in outputs)
+    summary["replies"] = [{"id": r.id, "token_ids": list(o), "per_step_accepted": (c.spec or {}).get("per_step_accepted")}
+                          for r, o, c in zip(reqs, outputs, results)]
     return {**summary, "mode": "vllm", "method": method, "gamma": gamma, "target": str(model_dir),
             "head": str(head_dir) if head_dir else None, "n": len(reqs), "temperature": 0.0,
             "concurrency": concurrency, "max_tokens": max_tokens, "output_tokens": out_tokens,
             "wall_s": round(wall, 1), "output_tokens_per_s": round(out_tokens / wall, 1) if wall else None,
             "requests_without_step_metrics": missing, "engine": versions}
+
+
+def _hybrid_fields(method: str, hybrid: Any) -> dict[str, Any]:
+    if method != "hybrid" or hybrid is None:
+        return {}
+    return {"prompt_lookup_min": hybrid.n_min, "prompt_lookup_max": hybrid.n_max, "hybrid_rule": hybrid.rule,
+            "lookup_scope": hybrid.scope}
 
 
 def _ngram_alignment(results, outputs, classes, gamma, spec) -> dict[str, Any]:
@@ -177,11 +196,11 @@ def greedy_features(target: str, reqs: Sequence[Request], max_tokens: int = 192,
 def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Request], head: str | None = None,
                       max_tokens: int = 192, log: Callable[[str], None] = print,
                       progress: Callable[[int, int], None] | None = None, enforce_eager: bool = False,
-                      ) -> dict[str, Any]:
+                      hybrid: Any = None) -> dict[str, Any]:
     from ..model.registry import resolve_head
     from ..serving.engine import engine_versions
     from .export import load_head
-    from .simulate import simulate, simulate_ngram, summarize
+    from .simulate import head_predictions, simulate, simulate_hybrid, simulate_ngram, summarize
     from .train import load_target_weights
 
     t0 = time.perf_counter()
@@ -194,6 +213,16 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
         h = load_head(head_dir)
         embed = load_target_weights(model_dir)["embed"].float()
         summary, _ = simulate(h, embed, fs, gamma, classes, progress)
+    elif method == "hybrid":
+        from ..serving.hybrid import DEFAULT
+
+        hybrid = hybrid or DEFAULT
+        head_dir = resolve_head(head)
+        h = load_head(head_dir)
+        embed = load_target_weights(model_dir)["embed"].float()
+        summary, steps = simulate_hybrid(head_predictions(h, embed, fs, gamma), fs, gamma, hybrid, classes)
+        summary["hybrid"] = dict(hybrid.__dict__)
+        summary["per_step_accepted"] = [[st.accepted for st in seq] for seq in steps]
     elif method == "ngram":
         seqs = [(list(r["prompt_ids"]) + list(r["output_ids"]), len(r["prompt_ids"])) for r in records]
         summary, _ = simulate_ngram(seqs, gamma, 2, 4, classes)

@@ -23,6 +23,20 @@ def _fail(msg: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+class _quiet:  # a progress display that shows nothing (ranks > 0 under torchrun)
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def add_task(self, *a, **k):
+        return 0
+
+    def update(self, *a, **k):
+        pass
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console, transient=False)
@@ -44,13 +58,50 @@ def _prompts(kind: str, tok, n: int, seed: int) -> tuple[list[list[int]], str]:
     return [tok(t, add_special_tokens=False).input_ids for t in texts], desc
 
 
+def _file_prompts(path: str, tok, limit: int | None) -> tuple[list[list[int]], str]:
+    """A user's prompts: cartspec request lines or OpenAI chat lines, rendered with the target's template."""
+    from ..task.data import read_requests
+    from ..task.prompts import messages
+
+    reqs = read_requests(path)[:limit] if limit else read_requests(path)
+    if not getattr(tok, "chat_template", None):
+        raise ValueError(f"the target's tokenizer has no chat template: cannot render the prompts of {path}")
+    texts = [tok.apply_chat_template(messages(r), tokenize=False, add_generation_prompt=True) for r in reqs]
+    return ([tok(t, add_special_tokens=False).input_ids for t in texts],
+            f"{len(reqs)} requests from `{path}` rendered with the target's chat template")
+
+
+def _default_out(label: str, digest: str) -> Path:
+    """Where a head goes unless --out says: never into the bundled assets."""
+    import os
+
+    root = Path(os.environ["CARTSPEC_HOME"]) / "heads" if os.environ.get("CARTSPEC_HOME") else Path("runs/heads")
+    return root / f"{label}-{digest[:8]}"
+
+
+def _is_bundled(path: Path) -> bool:
+    from ..model.registry import HEADS_DIR
+
+    try:
+        path.resolve().relative_to(HEADS_DIR.resolve())
+        return True
+    except ValueError:
+        return False
+
+
 @app.command()
 def train(
-    kind: str = typer.Option(..., "--kind", help="generic (base model, general prompts) | domain (commerce)"),
-    target: Optional[str] = typer.Option(None, help="model the head drafts for: base | commerce | PATH "
-                                                    "(default: base for generic, commerce for domain)"),
-    out: Optional[Path] = typer.Option(None, help="head directory (default: the bundled assets/heads/KIND)"),
-    prompts: int = typer.Option(1200, help="training prompts"),
+    kind: Optional[str] = typer.Option(None, "--kind", help="built-in prompt set: generic (general prompts, "
+                                       "target base) | domain (commerce requests, target commerce); optional "
+                                       "with --prompts FILE.jsonl"),
+    target: Optional[str] = typer.Option(None, help="model the head drafts for: base | commerce | HF directory | "
+                                                    "LoRA adapter directory (merged onto the base it names) "
+                                                    "(default: base for generic, else commerce)"),
+    out: Optional[Path] = typer.Option(None, help="head directory (default: runs/heads/NAME-DIGEST, or "
+                                                  "$CARTSPEC_HOME/heads/... when CARTSPEC_HOME is set)"),
+    prompts: str = typer.Option("1200", help="FILE.jsonl (cartspec request lines or OpenAI chat lines "
+                                             "{\"messages\": [...]}), or N: that many prompts of --kind"),
+    limit: Optional[int] = typer.Option(None, help="first N prompts of --prompts FILE only"),
     sampled: float = typer.Option(0.5, help="extra sampled answers, as a share of the prompts (temperature below)"),
     temperature: float = typer.Option(0.7, help="temperature of the sampled answers"),
     max_tokens: int = typer.Option(192, help="response length cap when regenerating"),
@@ -64,52 +115,94 @@ def train(
     save_every: int = typer.Option(50),
     seed: int = typer.Option(0),
     enforce_eager: bool = typer.Option(False, help="vLLM without torch.compile when regenerating"),
+    device: str = typer.Option("auto", help="feature capture and training: auto (cuda when available) | cpu | cuda"),
+    replace_bundled: bool = typer.Option(False, "--replace-bundled",
+                                         help="allow --out inside the bundled heads (maintainers only)"),
 ) -> None:
-    """Regenerate the target's answers, capture its features, train the head (resumable), export it."""
+    """Regenerate the target's answers, capture its features, train the head (resumable), export it.
+
+    Under ``torchrun --nproc_per_node N`` the training runs data-parallel (DDP; gloo on CPU, nccl on CUDA):
+    rank 0 regenerates and captures the features, every rank trains on its share of each batch."""
     import torch
     from transformers import AutoTokenizer
 
     from ..model.convert import ModelNotFound
-    from ..model.registry import HEADS_DIR, resolve_model
+    from ..model.registry import resolve_model, target_digest
     from ..paths import config_digest, home
+    from ..task.data import DataFileError
     from .export import export_head, head_size_bytes
     from .features import FeatureSet, Sampling, build_features, model_key
     from .head import param_count
-    from .train import TrainConfig, train_head
+    from .train import TrainConfig, distributed, pick_device, train_head
 
-    if kind not in ("generic", "domain"):
+    if kind is not None and kind not in ("generic", "domain"):
         _fail("--kind must be generic or domain")
+    from_file = not prompts.isdigit()
+    if not from_file and kind is None:
+        _fail("give the training prompts: --prompts FILE.jsonl (your own requests or chat lines), "
+              "or --kind generic|domain for a built-in set")
+    try:
+        dev = pick_device(device)
+    except ValueError as exc:
+        _fail(str(exc))
+    label = kind if not from_file else (kind or "custom")
     target = target or ("base" if kind == "generic" else "commerce")
     try:
         model_dir = resolve_model(target)
     except ModelNotFound as exc:
         _fail(str(exc))
-    out = out or HEADS_DIR / kind
+    digest = target_digest(model_dir)
+    out = out or _default_out(label, digest)
+    if _is_bundled(out) and not replace_bundled:
+        _fail(f"--out {out} is inside the bundled heads; a trained head goes elsewhere (default runs/heads/) "
+              "unless --replace-bundled says to replace a bundled one")
+    rank, world = distributed()
+    log = console.print if rank == 0 else (lambda *a, **k: None)
     t_start = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    prompt_ids, prompt_desc = _prompts(kind, tok, prompts, seed)
+    try:
+        prompt_ids, prompt_desc = (_file_prompts(prompts, tok, limit) if from_file
+                                   else _prompts(label, tok, int(prompts), seed))
+    except (DataFileError, ValueError) as exc:
+        _fail(str(exc))
     n_s = int(round(sampled * len(prompt_ids)))
     all_prompts = prompt_ids + prompt_ids[:n_s]
     sampling = [Sampling(0.0, max_tokens=max_tokens)] * len(prompt_ids) + \
         [Sampling(temperature, top_p=0.95, max_tokens=max_tokens, seed=seed * 100003 + i) for i in range(n_s)]
-    console.print(f"target {model_dir}: {len(prompt_ids)} greedy + {n_s} sampled (T={temperature}) answers")
-    with _progress() as pg:
-        task = pg.add_task("features", total=len(all_prompts), info="regenerating with vLLM")
-        fdir, records, shards = build_features(
-            model_dir, all_prompts, sampling, tag=kind, enforce_eager=enforce_eager, log=console.print,
-            progress=lambda d, t: pg.update(task, completed=d, total=t, info="HF forward, aux states"))
-        pg.update(task, completed=len(all_prompts), info=str(fdir))
+    log(f"target {model_dir} (digest {digest}): {len(prompt_ids)} greedy + {n_s} sampled (T={temperature}) answers")
+
+    def features():
+        with _progress() as pg:
+            task = pg.add_task("features", total=len(all_prompts), info="regenerating with vLLM")
+            res = build_features(
+                model_dir, all_prompts, sampling, tag=label, enforce_eager=enforce_eager, log=console.print,
+                progress=lambda d, t: pg.update(task, completed=d, total=t, info="HF forward, aux states"),
+                device=dev)
+            pg.update(task, completed=len(all_prompts), info=str(res[0]))
+        return res
+
+    if world > 1:  # rank 0 builds (or finds cached) features; the others wait, then read the cache
+        import torch.distributed as dist
+
+        if rank == 0:
+            fdir, records, shards = features()
+        dist.barrier()
+        if rank != 0:
+            fdir, records, shards = build_features(model_dir, all_prompts, sampling, tag=label, log=log,
+                                                   device=dev)
+    else:
+        fdir, records, shards = features()
     t_feat = time.perf_counter() - t_start
     fs = FeatureSet.load(shards)
     resp_tokens = int(sum(len(r["output_ids"]) for r in records))
-    console.print(f"features: {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens ({resp_tokens} response) in {fdir}")
+    log(f"features: {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens ({resp_tokens} response) in {fdir}")
 
     cfg = TrainConfig(ttt_steps=ttt_steps, lr=lr, batch_tokens=batch_tokens, epochs=epochs, steps=steps,
                       draft_vocab_size=draft_vocab, save_every=save_every, seed=seed, max_minutes=max_minutes)
     data_key = fdir.name
-    work = home() / "draft" / "runs" / f"{kind}-{config_digest([str(out.resolve()), data_key])}"
+    work = home() / "draft" / "runs" / f"{label}-{config_digest([str(out.resolve()), data_key])}"
     extra_vocab = [t for p in prompt_ids for t in p]
-    with _progress() as pg:
+    with _progress() if rank == 0 else _quiet() as pg:
         task = pg.add_task("train", total=1, info="")
 
         def on_step(step: int, total: int, rec: dict) -> None:
@@ -117,15 +210,18 @@ def train(
             pg.update(task, completed=step, total=total, info=f"loss {rec['loss']:.3f} acc/step [{accs}]")
 
         head, summary = train_head(fs, model_dir, work, cfg, extra_vocab_tokens=extra_vocab, data_key=data_key,
-                                   on_step=on_step, log=console.print)
-    export_head(head, out, metadata={"kind": kind, "target": str(model_dir)})
+                                   on_step=on_step, log=log, device=dev)
+    if rank != 0:
+        return
+    export_head(head, out, metadata={"kind": label, "target": str(model_dir)},
+                target={"digest": digest, "name": target, "path": str(model_dir)})
     (out / "training_log.json").write_text((work / "training_log.json").read_text())
     size = head_size_bytes(out)
     total_s = time.perf_counter() - t_start
     meta = json.loads((fdir / "meta.json").read_text())
     cmd = "cartspec draft " + " ".join(shlex.quote(a) for a in sys.argv[sys.argv.index("train"):]) \
-        if "train" in sys.argv else "cartspec draft train --kind " + kind
-    (out / "PROVENANCE.md").write_text(f"""# EAGLE-3 head: `{kind}`
+        if "train" in sys.argv else "cartspec draft train --kind " + label
+    (out / "PROVENANCE.md").write_text(f"""# EAGLE-3 head: `{label}`
 
 Built with
 
@@ -133,7 +229,8 @@ Built with
 {cmd}
 ```
 
-- target: `{model_dir}` (`{target}`, weights key {model_key(model_dir)})
+- target: `{model_dir}` (`{target}`, target digest {digest}, recorded in config.json; weights key
+  {model_key(model_dir)})
 - prompts: {prompt_desc}; answers regenerated by the target with vLLM offline:
   {len(prompt_ids)} greedy + {n_s} sampled (temperature {temperature}, top-p 0.95), max {max_tokens} tokens;
   {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens, {resp_tokens} response tokens
@@ -143,6 +240,7 @@ Built with
 - training-time test: k={ttt_steps} steps, weights 0.8^step, lr {lr} (cosine), {batch_tokens} tokens/batch,
   {summary['steps']} optimiser steps ({summary['steps_per_epoch']} per epoch){' — stopped early by --max-minutes' if summary['stopped_early'] else ''}
 - per-step accuracy (mean of the last 20 batches, vs the target's greedy token): {summary['acc_per_step_last20']}
+- trained on {dev}{f" with {world} processes (DDP)" if world > 1 else ""}
 - time on this machine ({torch.get_num_threads()} threads): features {t_feat / 60:.1f} min (incl. regeneration,
   cached on reruns), training {summary['seconds'] / 60:.1f} min, total {total_s / 60:.1f} min
 - training log (loss and accuracy per step, every batch): `training_log.json`
@@ -153,18 +251,23 @@ Built with
 
 @app.command()
 def acceptance(
-    head: Optional[str] = typer.Option(None, help="generic | domain | PATH (method eagle3)"),
+    head: Optional[str] = typer.Option(None, help="generic | domain | PATH (methods eagle3, hybrid)"),
     gamma: int = typer.Option(3, "--gamma", help="γ: draft tokens per verify step"),
-    data: str = typer.Option("test", help="train | dev | test | FILE.jsonl"),
+    data: str = typer.Option("test", help="train | dev | test | novel (words in no generator pool) | FILE.jsonl"),
     out: Path = typer.Option(..., help="where the JSON goes"),
     simulate: bool = typer.Option(False, "--simulate", help="offline simulator instead of a vLLM deployment"),
-    method: str = typer.Option("eagle3", help="eagle3 | ngram"),
+    method: str = typer.Option("eagle3", help="eagle3 | ngram | hybrid (EAGLE-3 + prompt lookup)"),
+    lookup_min: Optional[int] = typer.Option(None, help="hybrid: smallest n-gram the lookup matches"),
+    lookup_max: Optional[int] = typer.Option(None, help="hybrid: largest n-gram the lookup matches"),
+    rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head (serving/hybrid.py)"),
+    scope: Optional[str] = typer.Option(None, help="hybrid: prompt | context (where the lookup searches)"),
     target: str = typer.Option("commerce", help="served model: commerce | base | PATH"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
     concurrency: int = typer.Option(8),
     max_tokens: int = typer.Option(192),
     enforce_eager: bool = typer.Option(False, help="vLLM without torch.compile"),
     dtype: str = typer.Option("auto", help="serving dtype: auto (float32 on a CPU without native bf16, else bfloat16) | bfloat16 | float32 | float16"),
+    force: bool = typer.Option(False, "--force", help="measure a head trained for another target anyway (warns)"),
 ) -> None:
     """τ, acceptance rate, per-position and by-class acceptance at temperature 0."""
     from ..model.convert import ModelNotFound
@@ -172,10 +275,29 @@ def acceptance(
     from ..task.data import DataFileError
     from .acceptance import load_data, measure_simulated, measure_vllm
 
-    if method not in ("eagle3", "ngram"):
-        _fail("--method must be eagle3 or ngram")
-    if method == "eagle3" and not head:
-        _fail("--head is required with --method eagle3")
+    if method not in ("eagle3", "ngram", "hybrid"):
+        _fail("--method must be eagle3, ngram or hybrid")
+    if method in ("eagle3", "hybrid") and not head:
+        _fail(f"--head is required with --method {method}")
+    hybrid = None
+    if method == "hybrid":
+        from ..serving.hybrid import DEFAULT, HybridConfig
+
+        try:
+            hybrid = HybridConfig(n_min=lookup_min or DEFAULT.n_min, n_max=lookup_max or DEFAULT.n_max,
+                                  rule=rule or DEFAULT.rule, scope=scope or DEFAULT.scope)
+        except ValueError as exc:
+            _fail(str(exc))
+    elif any(x is not None for x in (lookup_min, lookup_max, rule, scope)):
+        _fail("--lookup-min/--lookup-max/--rule/--scope are settings of --method hybrid")
+    if head:  # a head trained for another target than --target: refuse (or --force)
+        from ..model.registry import HeadMismatch, check_head, resolve_head, resolve_model
+
+        try:
+            check_head(resolve_head(head), resolve_model(target), force=force,
+                       warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
+        except (HeadMismatch, ModelNotFound) as exc:
+            _fail(str(exc))
     try:
         reqs = load_data(data, limit)
     except DataFileError as exc:
@@ -186,11 +308,12 @@ def acceptance(
         try:
             if simulate:
                 res = measure_simulated(target, method, gamma, reqs, head=head, max_tokens=max_tokens,
-                                        log=console.print, progress=prog, enforce_eager=enforce_eager)
+                                        log=console.print, progress=prog, enforce_eager=enforce_eager,
+                                        hybrid=hybrid)
             else:
                 res = measure_vllm(target, method, gamma, reqs, head=head, concurrency=concurrency,
                                    max_tokens=max_tokens, log=console.print, enforce_eager=enforce_eager,
-                                   on_done=prog, dtype=dtype)
+                                   on_done=prog, dtype=dtype, hybrid=hybrid)
         except (ModelNotFound, DeploymentError, FileNotFoundError) as exc:
             _fail(str(exc))
     res["data"] = data

@@ -17,13 +17,14 @@ from typing import Any
 
 import torch
 
-from .head import Eagle3Head, HeadConfig
+from .head import Eagle3Head, HeadConfig, target_rope
 
 WEIGHTS = "model.safetensors"
 
 
-def vllm_config(cfg: HeadConfig, dtype: str = "bfloat16") -> dict[str, Any]:
-    rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+def vllm_config(cfg: HeadConfig, dtype: str = "bfloat16", target: dict[str, Any] | None = None) -> dict[str, Any]:
+    # the target's RoPE (with its scaling): vLLM's drafter builds its rotary embedding from this config
+    rope: dict[str, Any] = {"rope_theta": cfg.rope_theta, "rope_type": "default", **(cfg.rope_scaling or {})}
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
@@ -37,6 +38,7 @@ def vllm_config(cfg: HeadConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
         "rope_parameters": rope,
+        **({"rope_scaling": dict(cfg.rope_scaling)} if cfg.rope_scaling else {}),
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -49,7 +51,7 @@ def vllm_config(cfg: HeadConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         "torch_dtype": dtype,
         "dtype": dtype,
         # what cartspec needs to rebuild the head exactly (vLLM ignores it)
-        "cartspec": {"head_config": cfg.to_dict()},
+        "cartspec": {"head_config": cfg.to_dict(), **({"target": target} if target else {})},
     }
     if cfg.bos_token_id is not None:
         out["bos_token_id"] = cfg.bos_token_id
@@ -59,7 +61,9 @@ def vllm_config(cfg: HeadConfig, dtype: str = "bfloat16") -> dict[str, Any]:
 
 
 def export_head(head: Eagle3Head, out_dir: Path, dtype: torch.dtype = torch.bfloat16,
-                metadata: dict[str, Any] | None = None) -> Path:
+                metadata: dict[str, Any] | None = None, target: dict[str, Any] | None = None) -> Path:
+    """``target``: the model the head was trained for (``digest``: ``registry.target_digest``, ``name``);
+    serve/study/acceptance refuse the head on another model."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -74,7 +78,7 @@ def export_head(head: Eagle3Head, out_dir: Path, dtype: torch.dtype = torch.bflo
     save_file(tensors, str(tmp), metadata={"format": "pt", **{k: json.dumps(v) for k, v in (metadata or {}).items()}})
     tmp.replace(out_dir / WEIGHTS)
     name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[dtype]
-    (out_dir / "config.json").write_text(json.dumps(vllm_config(head.cfg, name), indent=2) + "\n")
+    (out_dir / "config.json").write_text(json.dumps(vllm_config(head.cfg, name, target), indent=2) + "\n")
     return out_dir
 
 
@@ -88,7 +92,7 @@ def load_head(head_dir: Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:
         cfg = HeadConfig.from_dict(conf["cartspec"]["head_config"])
     else:
         eagle = conf.get("eagle_config") or {}
-        rope = conf.get("rope_parameters") or {}
+        theta, scaling = target_rope(conf)
         cfg = HeadConfig(
             hidden_size=conf["hidden_size"], intermediate_size=conf["intermediate_size"],
             num_attention_heads=conf["num_attention_heads"],
@@ -98,7 +102,7 @@ def load_head(head_dir: Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:
             target_hidden_size=conf.get("target_hidden_size") or conf["hidden_size"],
             aux_layer_ids=eagle.get("eagle_aux_hidden_state_layer_ids") or [],
             rms_norm_eps=conf.get("rms_norm_eps", 1e-5),
-            rope_theta=rope.get("rope_theta", conf.get("rope_theta", 10000.0)),
+            rope_theta=theta, rope_scaling=scaling,
             norm_before_residual=bool(conf.get("norm_before_residual", False)))
     head = Eagle3Head(cfg)
     state = load_file(str(head_dir / WEIGHTS))

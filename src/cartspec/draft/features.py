@@ -140,7 +140,7 @@ def _batches_by_length(lengths: list[int], max_tokens: int) -> list[list[int]]:
 
 def extract(model_dir: Path, records: list[dict[str, Any]], out_dir: Path, layer_ids: Sequence[int],
             shard_size: int = 256, batch_tokens: int = 4096, max_len: int = 1024,
-            progress: Callable[[int, int], None] | None = None) -> list[Path]:
+            progress: Callable[[int, int], None] | None = None, device: str = "cpu") -> list[Path]:
     """Write shards of features for ``records`` (``prompt_ids`` + ``output_ids``); resumable."""
     import torch
     from safetensors.torch import save_file
@@ -153,7 +153,7 @@ def extract(model_dir: Path, records: list[dict[str, Any]], out_dir: Path, layer
     todo = [k for k, p in enumerate(paths) if not p.exists()]
     if not todo:
         return paths
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
     model.eval()
     done = (n_shards - len(todo)) * shard_size
     for k in todo:
@@ -168,7 +168,8 @@ def extract(model_dir: Path, records: list[dict[str, Any]], out_dir: Path, layer
             for r, i in enumerate(batch):
                 ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
                 att[r, :len(seqs[i])] = 1
-            aux, final, arg = capture(model, ids, att, layer_ids)
+            aux, final, arg = capture(model, ids.to(device), att.to(device), layer_ids)
+            aux, final, arg = aux.cpu(), final.cpu(), arg.cpu()
             for r, i in enumerate(batch):
                 n = len(seqs[i])
                 per_seq[i] = {"aux": aux[r, :n].to(torch.bfloat16).clone(),
@@ -240,7 +241,7 @@ class FeatureSet:
 def build_features(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: Sequence[Sampling],
                    tag: str = "", enforce_eager: bool = False, log: Callable[[str], None] = print,
                    progress: Callable[[int, int], None] | None = None, shard_size: int = 256,
-                   ) -> tuple[Path, list[dict[str, Any]], list[Path]]:
+                   device: str = "cpu") -> tuple[Path, list[dict[str, Any]], list[Path]]:
     """Regenerate (cached) and extract (cached, resumable). Returns (dir, records, shards)."""
     model_dir = Path(model_dir)
     layer_ids = aux_layer_ids_for(model_dir)
@@ -249,7 +250,7 @@ def build_features(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: 
     d = features_dir() / f"{tag + '-' if tag else ''}{key}"
     records = vllm_generate(model_dir, prompts, sampling, d / "records.jsonl", enforce_eager=enforce_eager, log=log)
     t0 = time.perf_counter()
-    shards = extract(model_dir, records, d, layer_ids, shard_size=shard_size, progress=progress)
+    shards = extract(model_dir, records, d, layer_ids, shard_size=shard_size, progress=progress, device=device)
     meta = d / "meta.json"
     if not meta.exists():
         n_resp = sum(len(r["output_ids"]) for r in records)

@@ -71,11 +71,7 @@ class HeadConfig:
         L = int(target_cfg["num_hidden_layers"])
         H = int(target_cfg["hidden_size"])
         nh = int(target_cfg["num_attention_heads"])
-        rope = target_cfg.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", target_cfg.get("rope_theta", 10000.0))
-        scaling = target_cfg.get("rope_scaling")
-        if scaling is None and rope and rope.get("rope_type", "default") != "default":
-            scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        theta, scaling = target_rope(target_cfg)
         return cls(hidden_size=H, intermediate_size=int(target_cfg["intermediate_size"]),
                    num_attention_heads=nh,
                    num_key_value_heads=int(target_cfg.get("num_key_value_heads") or nh),
@@ -88,6 +84,19 @@ class HeadConfig:
                    max_position_embeddings=int(target_cfg.get("max_position_embeddings", 2048)),
                    norm_before_residual=norm_before_residual, target_num_hidden_layers=L,
                    bos_token_id=target_cfg.get("bos_token_id"), eos_token_id=target_cfg.get("eos_token_id"))
+
+
+def target_rope(target_cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling or None) from a target config, old (``rope_theta`` + ``rope_scaling``) or new
+    (``rope_parameters``) style; the scaling dict carries ``rope_type`` and its own parameters."""
+    rope = dict(target_cfg.get("rope_parameters") or {})
+    theta = float(rope.get("rope_theta", target_cfg.get("rope_theta", 10000.0)))
+    scaling = {k: v for k, v in (target_cfg.get("rope_scaling") or rope).items() if k != "rope_theta"}
+    if scaling and "rope_type" not in scaling and "type" in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if not scaling or scaling.get("rope_type", "default") == "default":
+        return theta, None
+    return theta, scaling
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -147,9 +156,36 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies as vLLM's ``get_rope`` builds them for ``rope_type`` default, ``llama3``
+    (``Llama3RotaryEmbedding._compute_inv_freq``) and ``linear`` (positions divided by ``factor``,
+    folded into the frequencies here)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor, lo, hi = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        orig = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = orig / lo, orig / hi
+        wave_len = 2 * math.pi / inv
+        smooth = (orig / wave_len - lo) / (hi - lo) if lo != hi else torch.zeros_like(inv)
+        return torch.where(wave_len < high_wavelen, inv,
+                           torch.where(wave_len > low_wavelen, inv / factor,
+                                       (1 - smooth) * inv / factor + smooth * inv))
+    raise ValueError(f"RoPE type {kind!r} is not supported by the head trainer (supported: "
+                     f"{', '.join(SUPPORTED_ROPE_TYPES)}): the head must rotate exactly as vLLM's drafter does")
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 scaling: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style (rotate-half) RoPE tables for integer ``positions`` of any shape."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv = rope_inv_freq(head_dim, theta, scaling).to(positions.device)
     ang = positions.to(torch.float32)[..., None] * inv
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos(), ang.sin()
@@ -165,10 +201,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Eagle3Head(nn.Module):
     def __init__(self, cfg: HeadConfig):
         super().__init__()
-        if cfg.rope_scaling:
-            # A target with scaled RoPE (e.g. Llama 3.1's) needs the same scaling in the head.
-            raise ValueError(f"target uses rope scaling {cfg.rope_scaling}, which the head trainer does not "
-                             "implement yet; use a target with plain RoPE")
+        rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # refuse a RoPE type we cannot mirror
         self.cfg = cfg
         n_aux = len(cfg.aux_layer_ids)
         self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
@@ -236,7 +269,11 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(out)), out
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        return rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.rope_scaling)
+
+    def forward(self, *args, **kwargs) -> list[dict[str, torch.Tensor]]:
+        """``unroll`` (so that DDP, which hooks ``forward``, can wrap the head)."""
+        return self.unroll(*args, **kwargs)
 
     # --- the training-time test / chain drafting ---------------------------------
     def unroll(self, embed: nn.Embedding | torch.Tensor, input_ids: torch.Tensor, aux: torch.Tensor,

@@ -105,14 +105,18 @@ def draft_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, s: 
 
 
 def simulate_sequence(pred: torch.Tensor, tokens: Sequence[int], prompt_len: int, gamma: int,
-                      classes: Sequence[str] | None = None) -> list[Step]:
-    """Walk the verify steps of one greedy output, given proposals ``pred[i - (P-1)]``."""
+                      classes: Sequence[str] | None = None,
+                      adjust: Callable[[int, list[int]], list[int]] | None = None) -> list[Step]:
+    """Walk the verify steps of one greedy output, given proposals ``pred[i - (P-1)]``;
+    ``adjust(i, row)`` may replace the proposal from chain start ``i`` (the hybrid)."""
     L = len(tokens)
     P = prompt_len
     steps: list[Step] = []
     i = P - 1  # chain start: the last position the target has processed after prefill
     while i + 2 < L:  # x[i+1] is the newest token; something left to propose
         row = pred[i - (P - 1)]
+        if adjust is not None:
+            row = adjust(i, [int(t) for t in row])
         a = 0
         while a < gamma and i + 2 + a < L and int(row[a]) == int(tokens[i + 2 + a]):
             a += 1
@@ -138,6 +142,30 @@ def simulate(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamma: int,
                                            classes[s] if classes is not None else None))
         if progress:
             progress(s + 1, fs.n_seqs)
+    return summarize(all_steps, gamma), all_steps
+
+
+def head_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamma: int) -> list[torch.Tensor]:
+    """The head's proposals from every chain start of every sequence (``draft_predictions``)."""
+    head.eval()
+    return [draft_predictions(head, embed, fs, s, gamma) for s in range(fs.n_seqs)]
+
+
+def simulate_hybrid(preds: Sequence[torch.Tensor], fs: FeatureSet, gamma: int, cfg: Any,
+                    classes: Sequence[Sequence[str]] | None = None) -> tuple[dict[str, Any], list[list[Step]]]:
+    """The hybrid drafter (``serving.hybrid``, config ``cfg``) replayed on greedy outputs: from
+    chain start ``i`` the server's context is ``x[:i+2]`` (prompt + output up to the newest token)
+    and the head's proposal is ``preds[s][i-(P-1)]``; ``hybrid.propose`` combines them, as in vLLM."""
+    from ..serving.hybrid import propose
+
+    all_steps = []
+    for s in range(fs.n_seqs):
+        sl = fs.seq(s)
+        toks = fs.input_ids[sl].tolist()
+        P = int(fs.prompt_lens[s])
+        adjust = lambda i, row, toks=toks, P=P: propose(row, toks[:i + 2], P, cfg)  # noqa: E731
+        all_steps.append(simulate_sequence(preds[s], toks, P, gamma, classes[s] if classes is not None else None,
+                                           adjust=adjust))
     return summarize(all_steps, gamma), all_steps
 
 

@@ -8,6 +8,10 @@ the draft vocabulary, weighted ``decay ** s``; per-step accuracy is the share
 of chains whose step-``s`` draft equals the target's greedy token (full vocab,
 so tokens missing from the draft vocabulary count as misses).
 
+Under ``torchrun`` (``WORLD_SIZE`` > 1) the head is wrapped in DDP (gloo on CPU,
+nccl on CUDA): every rank walks the same batch schedule and trains on its
+share of each batch's sequences; gradients are averaged, rank 0 checkpoints.
+
 A checkpoint (head, optimiser, step, vocabulary) is written every
 ``save_every`` steps into ``OUT/checkpoint``; rerunning the same command with
 the same data resumes there, replaying the same batch order.
@@ -49,6 +53,34 @@ class TrainConfig:
     seed: int = 0
     max_minutes: float | None = None  # stop early (checkpointed, exported) after this long
     threads: int | None = None
+
+
+def pick_device(device: str = "auto") -> str:
+    """``auto``: cuda when torch sees a GPU, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device (is this a CPU build of torch?)")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, not {device!r}")
+    return device
+
+
+def distributed() -> tuple[int, int]:
+    """(rank, world size); joins the process group torchrun set up (gloo on CPU, nccl on CUDA)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 1
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        cuda = torch.cuda.is_available() and os.environ.get("CARTSPEC_DDP_BACKEND") != "gloo"
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    return dist.get_rank(), dist.get_world_size()
 
 
 def load_target_weights(target_dir: Path) -> dict[str, torch.Tensor]:
@@ -155,16 +187,17 @@ def make_batch(fs: FeatureSet, seqs: list[int]) -> dict[str, torch.Tensor]:
 
 
 def ttt_loss(head: Eagle3Head, embed: torch.Tensor, lm_dv: torch.Tensor, batch: dict[str, torch.Tensor],
-             steps: int, decay: float) -> tuple[torch.Tensor, list[dict[str, float]]]:
-    """Weighted soft cross-entropy over ``steps`` unrolled steps, and per-step stats."""
+             steps: int, decay: float, runner: Any = None) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """Weighted soft cross-entropy over ``steps`` unrolled steps, and per-step stats. ``runner``: what to
+    call for the unroll (the head, or its DDP wrapper)."""
     st = batch["starts"]
     bi, ti = st[:, 0], st[:, 1]
-    outs = head.unroll(embed, batch["input_ids"], batch["aux"].float(), batch["lengths"], st, steps)
+    outs = (runner or head.unroll)(embed, batch["input_ids"], batch["aux"].float(), batch["lengths"], st, steps)
     T = batch["input_ids"].shape[1]
     with torch.no_grad():  # the target's distribution over the draft vocabulary, once per position
         B = batch["final"].shape[0]
         p_all = torch.softmax((batch["final"].reshape(B * T, -1).float() @ lm_dv.T).float(), dim=-1).view(B, T, -1)
-    total = torch.zeros(())
+    total = torch.zeros((), device=embed.device)
     stats = []
     for s, o in enumerate(outs):
         valid = o["valid"]
@@ -194,8 +227,10 @@ def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig,
                extra_vocab_tokens: Sequence[int] = (), data_key: str = "",
                on_step: Callable[[int, int, dict[str, Any]], None] | None = None,
-               log: Callable[[str], None] = print) -> tuple[Eagle3Head, dict[str, Any]]:
-    """Train (or resume) a head; returns it and a summary. ``OUT/checkpoint`` holds the state."""
+               log: Callable[[str], None] = print, device: str = "cpu") -> tuple[Eagle3Head, dict[str, Any]]:
+    """Train (or resume) a head; returns it and a summary. ``OUT/checkpoint`` holds the state (written by
+    rank 0 under torchrun)."""
+    rank, world = distributed()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out_dir = Path(out_dir)
@@ -203,7 +238,7 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
     ckpt.mkdir(parents=True, exist_ok=True)
     target_cfg = json.loads((Path(target_dir) / "config.json").read_text())
     tw = load_target_weights(Path(target_dir))
-    embed = tw["embed"].float()
+    embed = tw["embed"].float().to(device)
     V = int(target_cfg["vocab_size"])
     eos = target_cfg.get("eos_token_id")
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
@@ -222,20 +257,26 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
                                        extra_tokens=extra_vocab_tokens, must=eos_ids)
     hcfg = HeadConfig.for_target(target_cfg, len(draft_ids), aux_layer_ids=fs.layer_ids,
                                  norm_before_residual=cfg.norm_before_residual)
-    head = init_head(hcfg, draft_ids, tw, cfg.seed)
+    head = init_head(hcfg, draft_ids, tw, cfg.seed).to(device)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step = 0
     history: list[dict[str, Any]] = []
     elapsed_before = 0.0
     if state is not None:
-        head.load_state_dict(torch.load(ckpt / "head.pt", weights_only=True))
-        opt.load_state_dict(torch.load(ckpt / "optim.pt", weights_only=True))
+        head.load_state_dict(torch.load(ckpt / "head.pt", weights_only=True, map_location=device))
+        opt.load_state_dict(torch.load(ckpt / "optim.pt", weights_only=True, map_location=device))
         step = int(state["step"])
         history = state.get("history", [])
         elapsed_before = float(state.get("seconds", 0.0))
         log(f"resuming from step {step} ({ckpt})")
 
-    lm_dv = tw["lm_head"][draft_ids].float()
+    lm_dv = tw["lm_head"][draft_ids].float().to(device)
+    runner = None
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        runner = DistributedDataParallel(head, broadcast_buffers=False,
+                                         device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
     per_epoch = len(_plan_batches(fs, cfg.batch_tokens, cfg.seed, 0))
     total = cfg.steps if cfg.steps is not None else max(1, int(math.ceil(cfg.epochs * per_epoch)))
     # the same order on every run: epoch e, batch j -> global step
@@ -247,6 +288,8 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
     schedule = schedule[:total]
 
     def save(final_step: int, seconds: float) -> None:
+        if rank != 0:
+            return
         torch.save(head.state_dict(), ckpt / "head.pt.tmp")
         torch.save(opt.state_dict(), ckpt / "optim.pt.tmp")
         (ckpt / "head.pt.tmp").replace(ckpt / "head.pt")
@@ -260,17 +303,26 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
     head.train()
     stopped_early = False
     while step < total:
-        batch = make_batch(fs, schedule[step])
+        seqs = schedule[step]
+        if world > 1 and len(seqs) >= world:  # this rank's share of the batch
+            seqs = seqs[rank::world]
+        batch = {k: v.to(device) for k, v in make_batch(fs, seqs).items()}
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, total, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=embed.device.type == "cpu"):
-            loss, stats = ttt_loss(head, embed, lm_dv, batch, cfg.ttt_steps, cfg.decay)
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss, stats = ttt_loss(head, embed, lm_dv, batch, cfg.ttt_steps, cfg.decay, runner=runner)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
         opt.step()
         step += 1
-        rec = {"step": step, "loss": round(loss.item(), 4), "lr": opt.param_groups[0]["lr"],
+        loss_v = loss.detach().float()
+        if world > 1:  # the batch's loss: the ranks' mean
+            import torch.distributed as dist
+
+            dist.all_reduce(loss_v)
+            loss_v = loss_v / world
+        rec = {"step": step, "loss": round(loss_v.item(), 4), "lr": opt.param_groups[0]["lr"],
                "tokens": int(batch["starts"].shape[0]),
                "acc": [round(s["acc"], 4) if s["n"] else None for s in stats],
                "step_loss": [round(s["loss"], 4) if s["n"] else None for s in stats]}
@@ -294,5 +346,8 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
                "stopped_early": stopped_early, "draft_vocab_size": len(draft_ids),
                "final_loss": tail[-1]["loss"] if tail else None,
                "acc_per_step_last20": [round(a, 4) for a in acc_tail], "config": asdict(cfg)}
-    (out_dir / "training_log.json").write_text(json.dumps({"summary": summary, "history": history}))
-    return head, summary
+    summary["world_size"] = world
+    summary["device"] = device
+    if rank == 0:
+        (out_dir / "training_log.json").write_text(json.dumps({"summary": summary, "history": history}))
+    return head.cpu(), summary

@@ -216,12 +216,17 @@ def train_lora(base_dir: Path, train: list[Request], out_dir: Path, cfg: LoraCon
     return out_dir
 
 
-def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype: str = "bfloat16") -> Path:
-    """Fold the adapter into the base weights and save an HF directory vLLM serves."""
+def merge_adapter(base_dir: Path, adapter_dir: Path, out_dir: Path, dtype: str | None = "bfloat16") -> Path:
+    """Fold the adapter into the base weights (in float32) and save an HF directory vLLM serves, in
+    ``dtype`` (None: the base's own dtype)."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if dtype is None:
+        conf = AutoConfig.from_pretrained(base_dir)
+        dt = getattr(conf, "dtype", None) or getattr(conf, "torch_dtype", None) or torch.bfloat16
+        dtype = str(dt).replace("torch.", "") if not isinstance(dt, str) else dt
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(model, adapter_dir).merge_and_unload()
     model = model.to(getattr(torch, dtype))

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any, Callable
 
-from ..paths import ASSETS, dir_digest, models_dir
+from ..paths import ASSETS, config_digest, dir_digest, file_digest, home, models_dir
 from .convert import ModelNotFound, convert_gguf
 
 BUNDLED_ADAPTER = ASSETS / "lora" / "commerce"
@@ -22,15 +24,64 @@ def _check_hf_dir(path: Path, what: str) -> Path:
 
 def resolve_model(name: str) -> Path:
     """``base`` (converted GGUF), ``commerce`` (base + bundled LoRA, merged), or a path: a model
-    directory, or a LoRA adapter directory (from ``build-model --adapter-out``), merged onto the base."""
+    directory, or a LoRA adapter directory merged onto the base its ``adapter_config.json`` names
+    (``base_model_name_or_path``: a local model directory; cartspec downloads nothing)."""
     if name == "base":
         return convert_gguf()
     if name == "commerce":
         return merged_commerce()
     path = Path(name).expanduser()
     if (path / "adapter_config.json").exists() and not (path / "config.json").exists():
-        return merged_commerce(path)
+        return merged_adapter(path)
     return _check_hf_dir(path, "model directory")
+
+
+_CONVERTED_BASE = re.compile(r"^base-[0-9a-f]{12}$")
+
+
+def adapter_base(adapter: Path) -> Path | None:
+    """The local base directory an adapter names, or None when it names the bundled SmolLM2 as converted
+    from its GGUF (a ``base-<digest>`` directory, possibly converted on another machine)."""
+    conf = json.loads((adapter / "adapter_config.json").read_text())
+    named = conf.get("base_model_name_or_path")
+    if not named:
+        raise ModelNotFound(f"{adapter}/adapter_config.json names no base model (base_model_name_or_path): "
+                            "set it to the local directory of the model the adapter was trained on")
+    base = Path(named).expanduser()
+    if not base.is_absolute() and not base.exists():
+        base = adapter / base  # relative to the adapter directory
+    if (base / "config.json").exists():
+        marker = base / "cartspec.json"
+        if marker.exists() and json.loads(marker.read_text()).get("stage") == "convert":
+            return None
+        return base
+    if _CONVERTED_BASE.match(Path(named).name):
+        return None  # the bundled base, converted elsewhere: convert it here
+    raise ModelNotFound(
+        f"the adapter {adapter} was trained on {named!r}, which is not a local model directory "
+        "(cartspec never downloads models): put the base model's Hugging Face directory on disk and set "
+        "base_model_name_or_path in adapter_config.json to that directory")
+
+
+def merged_adapter(adapter: Path) -> Path:
+    """An adapter merged onto the base it names (the bundled SmolLM2: ``merged_commerce``), cached by the
+    contents of both."""
+    from .lora import merge_adapter
+
+    adapter = Path(adapter)
+    base = adapter_base(adapter)
+    if base is None:
+        return merged_commerce(adapter)
+    base_id = target_digest(base)
+    key = config_digest([adapter_digest(adapter), base_id])[:12]
+    out = models_dir() / f"merged-{key}"
+    marker = out / "cartspec.json"
+    if not marker.exists():
+        merge_adapter(base, adapter, out, dtype=None)
+        marker.write_text(json.dumps({"stage": "merge", "base": str(base), "adapter": str(adapter),
+                                      "adapter_digest": adapter_digest(adapter)[:12], "base_digest": base_id},
+                                     indent=2))
+    return out
 
 
 def adapter_digest(adapter: Path) -> str:
@@ -58,6 +109,114 @@ def merged_commerce(adapter: Path = BUNDLED_ADAPTER) -> Path:
     return out
 
 
+# --- which model a head was trained for -------------------------------------------------------
+
+_IGNORED_CONFIG_KEYS = {"transformers_version", "_name_or_path", "use_cache", "torch_dtype", "dtype"}
+
+
+def _content_digest(model_dir: Path) -> str:
+    """Hash of the weights (every ``*.safetensors``) and the config (minus keys that do not change the
+    function: the writer's transformers version, a path...), cached beside the user's cache by size and
+    mtime, so an 8B target is hashed once."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(f"{model_dir} holds no *.safetensors weights")
+    stamp = config_digest([str(model_dir.resolve()), [(f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                                                      for f in files + [model_dir / "config.json"]]])
+    cache = home() / "model-digests.json"
+    known = json.loads(cache.read_text()) if cache.exists() else {}
+    if stamp not in known:
+        conf = {k: v for k, v in json.loads((model_dir / "config.json").read_text()).items()
+                if k not in _IGNORED_CONFIG_KEYS}
+        known[stamp] = config_digest({"weights": [(f.name, file_digest(f)) for f in files], "config": conf})
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps(known, indent=1))
+        tmp.replace(cache)
+    return known[stamp]
+
+
+def target_digest(model_dir: Path) -> str:
+    """What a head records as "the model I was trained for" (16 hex digits).
+
+    Models cartspec builds are named by what they are made of, so the digest is the same on every machine
+    whatever the conversion or merge wrote bit for bit: the converted SmolLM2 by its GGUF's sha256, a
+    merged model by its base's digest and its adapter's weights. Any other directory: its content."""
+    model_dir = Path(model_dir)
+    marker = model_dir / "cartspec.json"
+    if marker.exists():
+        m = json.loads(marker.read_text())
+        if m.get("stage") == "convert" and m.get("source_sha256"):
+            return config_digest({"gguf": m["source_sha256"], "dtype": m.get("dtype")})
+        if m.get("stage") == "merge" and m.get("adapter_digest"):
+            base = m.get("base_digest") or target_digest(Path(m["base"]))
+            return config_digest({"base": base, "adapter": m["adapter_digest"][:12]})
+    return _content_digest(model_dir)
+
+
+def model_lineage(model_dir: Path) -> list[str]:
+    """The model's digest, then its base's (and so on): a head trained for a base also drafts for the
+    fine-tunes cartspec merged onto it (the study's ``generic`` head on the commerce model)."""
+    out = [target_digest(model_dir)]
+    marker = Path(model_dir) / "cartspec.json"
+    if marker.exists():
+        m = json.loads(marker.read_text())
+        if m.get("stage") == "merge" and m.get("base") and Path(m["base"], "config.json").exists():
+            out += [d for d in model_lineage(Path(m["base"])) if d not in out]
+        elif m.get("stage") == "merge" and m.get("base_digest"):
+            out.append(m["base_digest"])
+    return out
+
+
+def head_target(head_dir: Path) -> dict[str, Any] | None:
+    """What a head says about the target it was trained for (``digest``, ``name``), if anything."""
+    conf = json.loads((Path(head_dir) / "config.json").read_text())
+    return (conf.get("cartspec") or {}).get("target")
+
+
+class HeadMismatch(ValueError):
+    """A draft head trained for another model than the one served."""
+
+
+def check_head(head_dir: Path, model_dir: Path, force: bool = False,
+               warn: Callable[[str], None] | None = None) -> str:
+    """Refuse (``HeadMismatch``) a head trained for another target; with ``force``, warn loudly and go on.
+    Returns "match", "base" (trained for this model's base), "unknown" (the head records no target)
+    or "forced"."""
+    rec = head_target(head_dir) or {}
+    lineage = model_lineage(model_dir)
+    if rec.get("digest") == lineage[0]:
+        return "match"
+    if rec.get("digest") in lineage[1:]:
+        return "base"
+    if not rec.get("digest"):
+        if warn:
+            warn(f"the head {head_dir} does not record which target it was trained for; "
+                 f"cannot check that it fits {model_dir}")
+        return "unknown"
+    msg = (f"the draft head {head_dir} was trained for another target ({rec.get('name') or '?'}, digest "
+           f"{rec['digest']}) than the served model {model_dir} (digest {lineage[0]}): its drafts would "
+           "rarely be accepted. Train a head for this model (`cartspec draft train --target "
+           f"{model_dir} --prompts FILE.jsonl`), or pass --force to serve it anyway")
+    if not force:
+        raise HeadMismatch(msg)
+    if warn:
+        warn("WARNING (--force): " + msg.split(". Train")[0])
+    return "forced"
+
+
+def matching_bundled_head(model_dir: Path) -> str | None:
+    """``--head auto``: the bundled head trained for this model (``domain`` first), else one trained for
+    its base, else None."""
+    lineage = model_lineage(model_dir)
+    found = {}
+    for name in ("domain", "generic"):
+        if (HEADS_DIR / name / "config.json").exists():
+            d = (head_target(HEADS_DIR / name) or {}).get("digest")
+            if d in lineage:
+                found[name] = lineage.index(d)
+    return min(found, key=lambda n: (found[n], n != "domain")) if found else None
+
+
 def resolve_head(name: str) -> Path:
     """``domain`` / ``generic`` (bundled EAGLE-3 heads) or a path to a head directory."""
     if name in ("domain", "generic"):
@@ -66,3 +225,16 @@ def resolve_head(name: str) -> Path:
             raise ModelNotFound(f"no bundled {name!r} head at {path}: train it with `cartspec draft train --kind {name}`")
         return path
     return _check_hf_dir(Path(name).expanduser(), "draft head directory")
+
+
+def check_spec_head(spec: Any, force: bool = False, warn: Callable[[str], None] | None = None) -> str | None:
+    """``check_head`` for a deployment spec's EAGLE-3 head (None: no head to check, or a head or model
+    that does not resolve, which starting the deployment reports)."""
+    sp = getattr(spec, "speculative", None)
+    if sp is None or not getattr(sp, "model", None) or sp.method in ("none", "ngram", "suffix", "draft_model"):
+        return None
+    try:
+        model_dir, head_dir = resolve_model(spec.model), resolve_head(sp.model)
+    except (ModelNotFound, FileNotFoundError):
+        return None
+    return check_head(head_dir, model_dir, force=force, warn=warn)

@@ -56,8 +56,9 @@ def baseline_agreement(r: PointResult, b: PointResult) -> float | None:
     the baseline's. Speculative decoding must not change greedy output; batch-shape numerics may, rarely."""
     if r.config.temperature != 0 or b.config.temperature != 0:
         return None
-    theirs = {x.id: x.text for x in b.records if x.ok and x.text is not None}
-    pairs = [(x.text, theirs[x.id]) for x in r.records if x.ok and x.text is not None and x.id in theirs]
+    theirs = {(x.id, x.sample): x.text for x in b.records if x.ok and x.text is not None}
+    pairs = [(x.text, theirs[(x.id, x.sample)]) for x in r.records
+             if x.ok and x.text is not None and (x.id, x.sample) in theirs]
     return sum(a == t for a, t in pairs) / len(pairs) if pairs else None
 
 
@@ -109,11 +110,11 @@ def quality_tests(results: list[PointResult]) -> list[dict[str, Any]]:
         b = base.get(_group_key(r))
         if r.config.method == "none" or b is None:
             continue
-        theirs = {x.id: x for x in b.records if x.ok and x.text is not None and x.exact is not None}
+        theirs = {(x.id, x.sample): x for x in b.records if x.ok and x.text is not None and x.exact is not None}
         key = (r.config.deployment, r.config.temperature, r.config.request_set)
         pairs.setdefault(key, []).extend(
-            (x.task or "search", theirs[x.id], x) for x in r.records
-            if x.ok and x.text is not None and x.exact is not None and x.id in theirs)
+            (x.task or "search", theirs[(x.id, x.sample)], x) for x in r.records
+            if x.ok and x.text is not None and x.exact is not None and (x.id, x.sample) in theirs)
     out = []
     for (dep, temp, rs), ps in sorted(pairs.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
         if not ps:
@@ -168,7 +169,8 @@ def _rng(values: Iterable[float | None], fmt: str) -> str:
 
 
 def published_comparison(rows: list[dict[str, Any]], caps: list[dict[str, Any]],
-                         tests: list[dict[str, Any]] | None = None) -> list[dict[str, str]]:
+                         tests: list[dict[str, Any]] | None = None,
+                         quality: dict[str, Any] | None = None) -> list[dict[str, str]]:
     ok = [r for r in rows if r["status"] == "ok" and r["method"] != "none"]
     out = []
     # One row per temperature: pooling greedy and sampled points would hide what either does.
@@ -201,6 +203,14 @@ def published_comparison(rows: list[dict[str, Any]], caps: list[dict[str, Any]],
         out.append({"finding": "one instance with speculation vs two without", "published": PUBLISHED["one_vs_two"],
                     "ours": "; ".join(parts) + " (2.00× would replace two instances with one)" if parts
                     else "not measured"})
+    if quality and quality.get("entries"):  # `cartspec quality` ran: like beside like
+        from ..quality.report import judge_comparison, structured_comparison
+
+        out.append({"finding": "quality: LLM-as-judge, pairwise", "published": PUBLISHED["quality"],
+                    "ours": judge_comparison(quality)})
+        out.append({"finding": "quality: paired structured tests vs gold (not in the published study)",
+                    "published": "—", "ours": structured_comparison(quality)})
+        return out
     out.append({"finding": "quality", "published": PUBLISHED["quality"],
                 "ours": quality_line(rows) + quality_test_line(tests or [])})
     return out
@@ -591,6 +601,44 @@ def _cost_model_plot(preds) -> str:
 # --- the whole report ---------------------------------------------------------------
 
 
+def _acceptance_by_class(results: list[PointResult]) -> list[dict[str, Any]]:
+    """Acceptance per token class of each speculative deployment (report/classes.py)."""
+    from .classes import acceptance_by_class
+
+    return acceptance_by_class(results)
+
+
+def _by_class_html(rows: list[dict[str, Any]]):
+    from markupsafe import Markup
+
+    from .classes import by_class_html
+
+    return Markup(by_class_html(rows))
+
+
+def _quality(run_dir: Path) -> dict[str, Any] | None:
+    """What `cartspec quality` wrote (quality.json), as JSON; None when it has not run on this run."""
+    from ..quality.study import load_quality
+
+    q = load_quality(run_dir)
+    return q.model_dump(mode="json") if q else None
+
+
+def _quality_judge(quality: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not quality or not (quality.get("judge") or quality.get("calibrations")):
+        return None
+    return {"judge": quality.get("judge"), "calibrations": quality.get("calibrations", {}),
+            "metric": quality.get("metric"), "margin": quality.get("margin")}
+
+
+def _quality_html(quality: dict[str, Any] | None):
+    from markupsafe import Markup
+
+    from ..quality.report import quality_html
+
+    return Markup(quality_html(quality)) if quality else ""
+
+
 def build_report(run_dir: str | Path, target_rps: float | None = None, slo: float | None = None) -> Report:
     run_dir = Path(run_dir)
     results = load_results(run_dir)
@@ -600,8 +648,13 @@ def build_report(run_dir: str | Path, target_rps: float | None = None, slo: floa
     rows = summary_rows(results)
     caps, target = capacity_table(rows, target_rps)
     tests = quality_tests(results)
-    comparison = published_comparison(rows, caps, tests)
+    quality = _quality(run_dir)
+    comparison = published_comparison(rows, caps, tests, quality)
     text = verdict(rows, caps, slo, tests)
+    if quality and quality.get("entries"):
+        from ..quality.report import quality_sentence
+
+        text += quality_sentence(quality)
     figs = plots(rows, slo)
     machine = run.get("machine") or next((r.machine.model_dump() for r in results if r.machine), {})
     versions = next((r.deployment.versions for r in results if r.deployment and r.deployment.versions), {})
@@ -614,6 +667,7 @@ def build_report(run_dir: str | Path, target_rps: float | None = None, slo: floa
         "slo_e2el_s": slo, "target_rps": target,
         "points": [{k: v for k, v in r.items()} for r in rows],
         "capacity": caps, "quality_tests": tests, "published_comparison": comparison, "verdict": text,
+        "quality": (quality or {}).get("entries", []), "quality_judge": _quality_judge(quality),
         "definitions": {
             "ttft": "request start -> first content chunk (s)", "e2el": "request start -> last content chunk (s)",
             "tpot": "(E2EL - TTFT) / (output tokens - 1), per request (s)",
@@ -630,10 +684,13 @@ def build_report(run_dir: str | Path, target_rps: float | None = None, slo: floa
     summary["cost_model"] = cost
     adaptive = adaptive_table(rows, results)
     summary["adaptive"] = adaptive
+    by_class = _acceptance_by_class(results)
+    summary["acceptance_by_class"] = by_class
     summary_path = run_dir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2, default=str))
     html_path = run_dir / "report.html"
     html_path.write_text(render_html(summary=summary, figures=figs, rows=rows, caps=caps, comparison=comparison,
                                      verdict=text, slo=slo, target=target, tests=tests,
-                                     cost=cost, cost_plot=cost_plot, adaptive=adaptive))
+                                     cost=cost, cost_plot=cost_plot, adaptive=adaptive,
+                                     by_class_html=_by_class_html(by_class), quality_html=_quality_html(quality)))
     return Report(html=html_path, summary=summary_path, verdict=text, rows=rows)

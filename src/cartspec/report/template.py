@@ -63,6 +63,7 @@ sign-test p-value. Preserved: the interval lies above −{{ pct(tests[0].margin)
 <td>{{ "%.2g"|format(t.mcnemar_p) }}</td>
 <td class="l {{ 'good' if t.verdict == 'preserved' else 'bad' if t.verdict == 'worse' else '' }}">{{ t.verdict }}</td></tr>{% endfor %}
 </table>{% endif %}
+{{ quality_html }}
 
 <h2>All points</h2>
 <p class="muted">Throughput in output tokens/s; latencies in seconds (TPOT and ITL in ms). Speedup = output throughput
@@ -97,6 +98,7 @@ Goal at every load: ≥ 0.95 × the best fixed deployment and ≥ 1.0 × the bas
 <td>{{ num(a.best_fixed_throughput, 1) }}</td><td>{{ num(a.vs_best_fixed, 2) }}</td><td>{{ num(a.vs_baseline, 2) }}</td>
 <td class="{{ 'good' if a.meets else 'bad' }}">{{ "met" if a.meets else "missed" }}</td></tr>{% endfor %}</table>{% endif %}
 
+{{ by_class_html }}
 <h2>Cost model of this machine</h2>
 {% if cost.fitted %}<p>Each decode step with b sequences drafting γ tokens costs s = α + β·b·(γ+1) + γ·(δ + ε·b) and
 advances each sequence by τ = 1 + Σ<sub>i≤γ</sub> p<sub>i</sub> tokens; each request's prompt costs π per token. So

@@ -160,7 +160,7 @@ class VllmServer:
         model = self.model_dir or resolve_model(self.spec.model)
         head = None
         sp = self.spec.speculative
-        if sp.method == "eagle3":
+        if sp.method in ("eagle3", "hybrid"):
             head = str(self.head_dir or resolve_head(sp.model))
         elif sp.method == "draft_model":
             head = str(self.head_dir or resolve_model(sp.model))
@@ -181,7 +181,7 @@ class VllmServer:
         if spec_cfg:
             cmd += ["--speculative-config", json.dumps(spec_cfg),
                     "--per-request-spec-decode-metrics", "detailed"]
-        return cmd + list(s.engine_args)
+        return cmd + s.scale_args() + list(s.engine_args)
 
     # --- lifecycle --------------------------------------------------------
     @property
@@ -191,7 +191,9 @@ class VllmServer:
     def start(self) -> "VllmServer":
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
-        env = {**os.environ, **engine_env(), **self.spec.env}
+        env = {**os.environ, **engine_env(), **self.spec.speculative.server_env(), **self.spec.env}
+        if self.spec.speculative.method != "hybrid":
+            env.pop("CARTSPEC_HYBRID", None)  # a hybrid setting left in our environment must not change this one
         # Our fixes for the engine's own bugs load in every vLLM process (vllm_fixes.py).
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
         self._log = self.log_path.open("w")

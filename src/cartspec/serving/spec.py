@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from ..config_files import FileModel
 
-Method = Literal["none", "eagle3", "ngram", "draft_model", "suffix"]
+Method = Literal["none", "eagle3", "ngram", "draft_model", "suffix", "hybrid"]
 
 
 def schedule_gamma(schedule: list[tuple[int, int, int]], batch_size: int) -> int:
@@ -34,6 +34,10 @@ class Speculative(BaseModel):
     model: str | None = Field(None, description="EAGLE-3 head or draft model: 'domain', 'generic' or a path")
     prompt_lookup_min: int | None = Field(None, ge=1)
     prompt_lookup_max: int | None = Field(None, ge=1)
+    hybrid_rule: Literal["lookup", "agree", "head"] | None = Field(
+        None, description="hybrid: how the lookup and the head's draft combine per position (serving/hybrid.py)")
+    lookup_scope: Literal["prompt", "context"] | None = Field(
+        None, description="hybrid: look up in the prompt only, or in prompt + output as vLLM's n-gram does")
     schedule: list[tuple[int, int, int]] | None = Field(
         None, description="per-batch-size γ: [(lo, hi, k), ...] -> num_speculative_tokens_per_batch_size")
     adaptive: bool = Field(False, description="γ per batch size tuned for this machine (`cartspec tune`); the "
@@ -56,9 +60,11 @@ class Speculative(BaseModel):
             return self  # tuned when the deployment starts
         if self.num_speculative_tokens is None:
             raise ValueError(f"method {self.method!r} needs num_speculative_tokens (γ)")
-        if self.method in ("eagle3", "draft_model") and not self.model:
+        if self.method in ("eagle3", "draft_model", "hybrid") and not self.model:
             raise ValueError(f"method {self.method!r} needs model (a head or draft model)")
-        if self.method == "ngram":
+        if self.method != "hybrid" and (self.hybrid_rule or self.lookup_scope):
+            raise ValueError("hybrid_rule and lookup_scope are settings of method 'hybrid'")
+        if self.method in ("ngram", "hybrid"):
             lo, hi = self.prompt_lookup_min or 2, self.prompt_lookup_max or 4
             if lo > hi:
                 raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
@@ -68,9 +74,12 @@ class Speculative(BaseModel):
     def label(self) -> str:
         if self.method == "none":
             return "baseline"
-        head = f"-{Path(self.model).name}" if self.method == "eagle3" and self.model else ""
+        head = f"-{Path(self.model).name}" if self.method in ("eagle3", "hybrid") and self.model else ""
         if self.adaptive:
             return f"{self.method}{head}-auto"
+        if self.schedule:  # an explicit schedule: say which, so it never shares a label with a fixed γ
+            steps = "_".join(f"{lo}-{hi}k{k}" for lo, hi, k in sorted(self.schedule))
+            return f"{self.method}{head}-sched{steps}"
         return f"{self.method}{head}-g{self.num_speculative_tokens}"
 
     def gamma_at(self, batch_size: int) -> int:
@@ -93,6 +102,8 @@ class Speculative(BaseModel):
                        prompt_lookup_max=self.prompt_lookup_max or 4)
         elif self.method == "eagle3":
             cfg.update(method="eagle3", model=resolved_model or self.model)
+        elif self.method == "hybrid":  # EAGLE-3 underneath; the lookup is added in the runner (hybrid_env)
+            cfg.update(method="eagle3", model=resolved_model or self.model)
         elif self.method == "draft_model":
             cfg.update(method="draft_model", model=resolved_model or self.model)
         elif self.method == "suffix":
@@ -100,6 +111,30 @@ class Speculative(BaseModel):
         if self.schedule:
             cfg["num_speculative_tokens_per_batch_size"] = [list(t) for t in self.schedule]
         return cfg
+
+
+    def hybrid_config(self):
+        """The hybrid drafter's settings (``serving.hybrid.HybridConfig``), or None for other methods."""
+        if self.method != "hybrid":
+            return None
+        from .hybrid import DEFAULT, HybridConfig
+
+        return HybridConfig(n_min=self.prompt_lookup_min or DEFAULT.n_min, n_max=self.prompt_lookup_max or DEFAULT.n_max,
+                            rule=self.hybrid_rule or DEFAULT.rule, scope=self.lookup_scope or DEFAULT.scope)
+
+    def server_env(self) -> dict[str, str]:
+        """Environment the vLLM server needs for this method: the hybrid's settings (vLLM's own
+        speculative config rejects keys it does not know)."""
+        cfg = self.hybrid_config()
+        if cfg is None:
+            return {}
+        from .hybrid import ENV
+
+        return {ENV: cfg.to_env()}
+
+
+SCALE_FIELDS = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "enable_prefix_caching",
+                "quantization")
 
 
 class DeploymentSpec(FileModel):
@@ -119,6 +154,40 @@ class DeploymentSpec(FileModel):
     engine_args: list[str] = Field(default_factory=list, description="extra flags passed to vLLM as-is")
     env: dict[str, str] = Field(default_factory=dict)
     start_timeout_s: float = 600.0
+    # at scale (vLLM's own flags, typed; unset: vLLM's default, and left out of the spec's JSON so that
+    # results recorded before they existed keep their keys)
+    tensor_parallel_size: int | None = Field(None, ge=1, description="GPUs one replica's weights are split over")
+    data_parallel_size: int | None = Field(None, ge=1, description="replicas behind one endpoint")
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="share of each GPU's memory vLLM takes")
+    enable_prefix_caching: bool | None = Field(None, description="reuse the KV cache of shared prompt prefixes")
+    quantization: str | None = Field(None, description="vLLM's --quantization (fp8, awq, gptq, ...)")
+
+    @model_validator(mode="after")
+    def _typed_not_raw(self) -> "DeploymentSpec":
+        for name in SCALE_FIELDS:
+            flag = "--" + name.replace("_", "-")
+            if getattr(self, name) is not None and any(a.split("=")[0] in (flag, "--no-" + flag[2:])
+                                                       for a in self.engine_args):
+                raise ValueError(f"{name} is set and engine_args passes {flag} too: keep one")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_scale(self, handler):
+        out = handler(self)
+        for name in SCALE_FIELDS:
+            if isinstance(out, dict) and out.get(name) is None:
+                out.pop(name, None)
+        return out
+
+    def scale_args(self) -> list[str]:
+        """The typed scale settings as vLLM flags."""
+        args: list[str] = []
+        for name in ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "quantization"):
+            if getattr(self, name) is not None:
+                args += ["--" + name.replace("_", "-"), str(getattr(self, name))]
+        if self.enable_prefix_caching is not None:
+            args.append("--enable-prefix-caching" if self.enable_prefix_caching else "--no-enable-prefix-caching")
+        return args
 
     @property
     def label(self) -> str:

@@ -154,7 +154,15 @@ def patch_runner(mod) -> bool:
     return True
 
 
-PATCHES = {TARGET_MODULE: patch_module, RUNNER_MODULE: patch_runner}
+def patch_runner_all(mod) -> bool:
+    """The runner's fixes, then the hybrid drafter (``hybrid.py``; only where ``CARTSPEC_HYBRID`` is set)."""
+    from .hybrid import patch_runner as patch_hybrid
+
+    fixed = patch_runner(mod)
+    return patch_hybrid(mod) or fixed
+
+
+PATCHES = {TARGET_MODULE: patch_module, RUNNER_MODULE: patch_runner_all}
 
 
 class _PatchingLoader(importlib.abc.Loader):

@@ -14,8 +14,10 @@ SYSTEM = {"search": SEARCH_SYSTEM, "support": SUPPORT_SYSTEM}
 
 
 def messages(req: Request) -> list[dict[str, str]]:
-    """OpenAI-style messages: system, the conversation so far, the new query."""
-    msgs = [{"role": "system", "content": SYSTEM[req.task]}]
+    """OpenAI-style messages: system (the request's own, else the task's; none when empty), the
+    conversation so far, the new query."""
+    system = SYSTEM[req.task] if req.system is None else req.system
+    msgs = [{"role": "system", "content": system}] if system else []
     msgs += [{"role": t.role, "content": t.content} for t in req.history]
     msgs.append({"role": "user", "content": req.query})
     return msgs

@@ -17,7 +17,8 @@ that the scraper can be tested end to end.
 Other servers than vLLM, per server: ``health_paths`` (the liveness paths that
 answer 200; NVIDIA NIM answers ``/v1/health/ready`` and 404s ``/health``),
 ``metrics=False`` (no ``/metrics``, as NIM and hosted APIs), ``api_key`` (every
-path answers 401 without ``Authorization: Bearer KEY``).
+path answers 401 without ``Authorization: Bearer KEY``). ``answer``: a function of the request body
+giving a non-streamed reply's content (a scripted judge in the quality tests).
 
 Run alone: ``python -m cartspec.testing.trivial_server --port 8123``.
 """
@@ -31,6 +32,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass
@@ -45,6 +47,7 @@ class FakeConfig:
     health_paths: tuple[str, ...] = ("/health",)  # vLLM's; ("/v1/health/ready",) for NIM
     metrics: bool = True  # serve vLLM's /metrics (False: 404, as NIM)
     api_key: str | None = None  # required on every path as "Authorization: Bearer KEY" (401 without)
+    answer: Callable[[dict], str] | None = None  # non-streamed replies: the content for this request body
 
 
 @dataclass
@@ -145,7 +148,8 @@ class TrivialServer:
             await asyncio.sleep(ttft + itl * max(tokens - 1, 0))
             self._count(tokens)
             self._plain(writer, 200, json.dumps({
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "tok " * tokens},
+                "choices": [{"index": 0, "message": {"role": "assistant",
+                                                     "content": c.answer(body) if c.answer else "tok " * tokens},
                              "finish_reason": "length"}],
                 "usage": {"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": 8 + tokens}}),
                 "application/json")

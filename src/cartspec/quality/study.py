@@ -1,0 +1,239 @@
+"""``cartspec quality``: a study's stored replies, tested and judged against the baseline's (no re-measurement).
+
+Per speculative deployment and temperature, every reply is paired with the baseline's to the same request
+and sample index (``RequestRecord.id`` and ``.sample``) at the same load, request set and settings, and
+scored against the request's gold answer; ``quality/paired.py`` makes the tests and the verdict, and
+``quality/judge.py`` the optional pairwise judge with its calibration. The result goes to ``quality.json``
+in the run directory, and from there into ``summary.json`` (``quality``) and the report.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+from pydantic import BaseModel, Field
+
+from ..bench.results import PointResult, load_results, now_iso
+from .paired import METRICS, TEST_NAME, FieldDelta, PairedTest, field_deltas, metric_values, paired_test
+
+if TYPE_CHECKING:
+    from .judge import JudgeSetup
+
+QUALITY_FILE = "quality.json"
+
+
+class QualityError(ValueError):
+    """A run that cannot be tested: missing, empty, without a baseline, or without stored replies."""
+
+
+class JudgeCalibration(BaseModel):
+    """How far the judge can be trusted: its answers on pairs whose right answer is known."""
+
+    mode: str
+    n: int = Field(..., description="known-answer pairs (corrupted + identical)")
+    accuracy: float = Field(..., description="share judged right: gold over its corrupted copy, identical = tie")
+    position_consistency: float = Field(..., description="share whose two orders named the same winner (or tie)")
+    tie_rate: float = Field(..., description="share of the corrupted pairs judged a tie (each a miss)")
+    reliable: bool = Field(..., description="accuracy >= 80%: below it the verdict rests on the structured tests")
+    by_kind: dict[str, float] = Field(default_factory=dict, description="accuracy per corruption kind")
+
+
+class JudgeResult(BaseModel):
+    """The candidate against the baseline, judged pairwise in both orders (inconsistent orders: a tie)."""
+
+    model: str
+    mode: str
+    win: int
+    tie: int
+    loss: int
+    judged: int = Field(..., description="pairs sent to the judge (identical replies are ties without asking)")
+    pairs: int = Field(..., description="distinct (request, sample) pairs available")
+    p_value: float = Field(..., description="exact sign test, wins vs losses")
+    by_task: dict[str, dict[str, int]] = Field(default_factory=dict, description="search / support: win, tie, loss")
+    calibration: JudgeCalibration | None = None
+
+
+class QualityEntry(BaseModel):
+    deployment: str
+    temperature: float
+    request_set: str = "commerce"
+    metric: str = Field(..., description="the metric the verdict rests on")
+    n: int = Field(..., description="paired requests (clusters) behind the verdict")
+    pairs: int = Field(..., description="paired replies (request × sample × load)")
+    samples: int = 1
+    identical: float = Field(0.0, description="share of pairs whose replies are the same text")
+    verdict: str
+    diff: float
+    ci_low: float
+    ci_high: float
+    margin: float
+    needed_n: int | None = None
+    needed_samples: int | None = None
+    test: str = TEST_NAME
+    tests: list[PairedTest] = Field(default_factory=list, description="every metric, the verdict's among them")
+    fields: list[FieldDelta] = Field(default_factory=list)
+    judge: JudgeResult | None = None
+
+
+class QualityReport(BaseModel):
+    created_at: str = ""
+    margin: float = 0.02
+    metric: str = "exact_match"
+    entries: list[QualityEntry] = Field(default_factory=list)
+    calibrations: dict[str, JudgeCalibration] = Field(default_factory=dict,
+                                                      description="per judge mode, the latest calibration")
+    judge: dict[str, Any] | None = Field(None, description="which judge ran (model, url, mode); never a key")
+
+
+# --- pairing ---------------------------------------------------------------------------
+
+
+def _group_key(r: PointResult) -> tuple:
+    c = r.config
+    return (c.request_set, c.mode, c.concurrency, c.rate, c.temperature, c.max_tokens, c.structured, c.samples)
+
+
+def gold_requests(results: Iterable[PointResult]) -> dict[tuple[str, str], Any]:
+    """(request set, id) -> the task request with its gold answer, regenerated as the sweep generated it."""
+    from ..bench.sweep import load_request_set
+
+    need: dict[str, int] = {}
+    for r in results:
+        c = r.config
+        need[c.request_set] = max(need.get(c.request_set, 0), c.n_requests + c.warmup)
+    out: dict[tuple[str, str], Any] = {}
+    for rs, n in need.items():
+        try:
+            reqs = load_request_set(rs, n, 16)
+        except Exception as exc:
+            raise QualityError(f"cannot rebuild request set {rs!r} to score its replies: {exc}") from exc
+        for cr in reqs:
+            if cr.source is not None and cr.id:
+                out[(rs, cr.id)] = cr.source
+    return out
+
+
+class Pair(BaseModel):
+    """One request (sample) answered by both deployments at one point."""
+
+    model_config = {"arbitrary_types_allowed": True}
+    request_id: str
+    sample: int
+    load: str
+    baseline: str
+    candidate: str
+
+
+def collect_pairs(results: list[PointResult]) -> dict[tuple[str, float, str], list[Pair]]:
+    """(deployment, temperature, request set) -> its pairs with the baseline, over every load."""
+    ok = [r for r in results if r.status == "ok"]
+    base = {_group_key(r): r for r in ok if r.config.method == "none"}
+    out: dict[tuple[str, float, str], list[Pair]] = {}
+    for r in ok:
+        if r.config.method == "none":
+            continue
+        b = base.get(_group_key(r))
+        if b is None:
+            continue
+        theirs = {(x.id, x.sample): x.text for x in b.records if x.ok and x.text is not None}
+        key = (r.config.deployment, r.config.temperature, r.config.request_set)
+        out.setdefault(key, []).extend(
+            Pair(request_id=x.id, sample=x.sample, load=r.config.load, baseline=theirs[(x.id, x.sample)],
+                 candidate=x.text)
+            for x in r.records if x.ok and x.text is not None and (x.id, x.sample) in theirs)
+    return out
+
+
+def structured_entry(dep: str, temp: float, rs: str, pairs: list[Pair], gold: dict, metric: str,
+                     margin: float) -> QualityEntry | None:
+    from ..task.score import score_item
+
+    scored = []
+    for p in pairs:
+        req = gold.get((rs, p.request_id))
+        if req is None:
+            continue
+        scored.append((p, score_item(req, p.baseline), score_item(req, p.candidate)))
+    if not scored:
+        return None
+    tests = []
+    for m in METRICS:
+        rows = [(p, metric_values(a)[m], metric_values(b)[m]) for p, a, b in scored]
+        rows = [x for x in rows if x[1] is not None and x[2] is not None]
+        if rows:
+            tests.append(paired_test(m, [p.request_id for p, _, _ in rows], [x[1] for x in rows],
+                                     [x[2] for x in rows], margin=margin, samples=[p.sample for p, _, _ in rows],
+                                     sampled=temp > 0))
+    main = next((t for t in tests if t.metric == metric), None)
+    if main is None:
+        raise QualityError(f"metric {metric!r} cannot be computed for {dep} (no gold answers?)")
+    return QualityEntry(deployment=dep, temperature=temp, request_set=rs, metric=metric, n=main.requests,
+                        pairs=main.pairs, samples=main.samples, verdict=main.verdict, diff=main.diff,
+                        identical=sum(p.baseline == p.candidate for p, _, _ in scored) / len(scored),
+                        ci_low=main.ci_low, ci_high=main.ci_high, margin=margin, needed_n=main.needed_n,
+                        needed_samples=main.needed_samples, tests=tests,
+                        fields=field_deltas([(a, b) for _, a, b in scored]))
+
+
+def structured_quality(results: list[PointResult], metric: str = "exact_match",
+                       margin: float = 0.02) -> tuple[list[QualityEntry], dict[tuple[str, float, str], list[Pair]]]:
+    if metric not in METRICS:
+        raise QualityError(f"unknown metric {metric!r}: {', '.join(METRICS)}")
+    ok = [r for r in results if r.status == "ok"]
+    if not ok:
+        raise QualityError("the run has no successfully measured point")
+    if not any(r.config.method == "none" for r in ok):
+        raise QualityError("the run has no baseline point (deployment 'baseline'): nothing to compare against")
+    if not any(x.text is not None for r in ok for x in r.records):
+        raise QualityError("the run's results hold no reply texts (measured before replies were recorded)")
+    pairs = collect_pairs(results)
+    if not pairs:
+        raise QualityError("no speculative point shares a load, temperature and request set with a baseline point")
+    gold = gold_requests(ok)
+    entries = []
+    for (dep, temp, rs), ps in sorted(pairs.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
+        e = structured_entry(dep, temp, rs, ps, gold, metric, margin)
+        if e is not None:
+            entries.append(e)
+    return entries, pairs
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+def load_quality(run_dir: str | Path) -> QualityReport | None:
+    path = Path(run_dir) / QUALITY_FILE
+    if not path.exists():
+        return None
+    try:
+        return QualityReport.model_validate_json(path.read_text())
+    except ValueError:
+        return None
+
+
+def quality_for_run(run_dir: str | Path, *, metric: str = "exact_match", margin: float = 0.02,
+                    judge: "JudgeSetup | None" = None, log=print) -> QualityReport:
+    """Test (and with ``judge``, judge) a run's stored replies; writes ``quality.json`` and rebuilds the report."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise QualityError(f"run directory not found: {run_dir}")
+    if not (run_dir / "results.jsonl").exists():
+        raise QualityError(f"no results.jsonl in {run_dir}: not a study's run directory")
+    results = load_results(run_dir)
+    entries, pairs = structured_quality(results, metric, margin)
+    prev = load_quality(run_dir)
+    report = QualityReport(created_at=now_iso(), margin=margin, metric=metric, entries=entries,
+                           calibrations=dict(prev.calibrations) if prev else {})
+    if judge is not None:
+        from .judge import run_judge
+
+        gold = gold_requests([r for r in results if r.status == "ok"])
+        run_judge(judge, report, pairs, gold, run_dir, log=log)
+    (run_dir / QUALITY_FILE).write_text(report.model_dump_json(indent=2))
+    from ..report.build import build_report
+
+    build_report(run_dir)
+    return report
+

@@ -1,0 +1,140 @@
+"""Requests whose words the model never saw: neither in training nor in the test split.
+
+The test split already draws most values from the generator's held-out pools,
+but those pools are fixed, and the same held-out words recur across its 400
+requests (and every tuning run looks at them). This set goes one step further:
+requests written by the generator in the held-out style (``generate("test",
+...)`` with another seed, so held-out phrasings too), in which every product,
+brand, colour and material the shopper wrote is replaced by a word from the
+pools below, which are in no generator pool (seen or held), nor share a word with one (a test
+checks).
+The gold answer gets the same replacement, so the request stays correct.
+A request is kept only when every such value was found verbatim in what the
+shopper wrote (a typo'd or abbreviated value cannot be replaced consistently)
+and at least one was replaced; support requests have nothing to replace and are
+left out.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any
+
+from .data import Request, Turn
+
+NOVEL_PRODUCTS: dict[str, tuple[str, ...]] = {
+    "shoes": ("moccasins", "huaraches", "galoshes"),
+    "clothing": ("kimono", "poncho", "dungarees", "kaftan"),
+    "electronics": ("label printer", "walkie talkie", "metronome"),
+    "home": ("colander", "salad spinner", "trivet"),
+    "beauty": ("pomade", "loofah", "toner"),
+    "sports": ("snorkel", "frisbee", "trampoline"),
+    "toys": ("kaleidoscope", "xylophone", "slinky"),
+    "bags": ("satchel", "rucksack", "pannier"),
+    "jewelry": ("tiara", "locket", "amulet"),
+    "grocery": ("kombucha", "tahini", "quinoa"),
+}
+NOVEL_BRANDS: dict[str, tuple[str, ...]] = {
+    "shoes": ("karhu", "diadora"), "clothing": ("barbour", "rapha"), "electronics": ("wacom", "roku"),
+    "home": ("bialetti", "vitamix"), "beauty": ("weleda", "sisley"), "sports": ("rossignol", "petzl"),
+    "toys": ("brio", "tamiya"), "bags": ("filson", "mismo"), "jewelry": ("skagen", "orient"),
+    "grocery": ("teekanne", "tiptree"),
+}
+NOVEL_COLORS = ("chartreuse", "ochre", "vermilion", "periwinkle", "cerulean", "saffron")
+NOVEL_MATERIALS: dict[str, tuple[str, ...]] = {
+    "shoes": ("hemp",), "clothing": ("alpaca", "mohair", "tencel"), "home": ("rattan", "pewter"),
+    "bags": ("hemp", "raffia"), "jewelry": ("pewter",), "sports": ("kevlar",),
+}
+
+
+def all_novel_words() -> set[str]:
+    words = {w for pool in NOVEL_PRODUCTS.values() for w in pool}
+    words |= {w for pool in NOVEL_BRANDS.values() for w in pool}
+    words |= set(NOVEL_COLORS)
+    words |= {w for pool in NOVEL_MATERIALS.values() for w in pool}
+    return words
+
+
+def _pattern(value: str) -> re.Pattern:
+    return re.compile(r"(?<![A-Za-z0-9])" + re.escape(value) + r"(?![A-Za-z0-9])", re.IGNORECASE)
+
+
+def _substitute(req: Request, rng: random.Random) -> Request | None:
+    gold = req.gold
+    if req.task != "search" or not isinstance(gold, dict):
+        return None
+    category = gold.get("category")
+    plan: list[tuple[str, str]] = []  # (old value, new value)
+    used: set[str] = set()
+
+    def pick(pool: tuple[str, ...]) -> str | None:
+        free = [w for w in pool if w not in used]
+        if not free:
+            return None
+        w = rng.choice(free)
+        used.add(w)
+        return w
+
+    def values(key: str) -> list[str]:
+        v = gold.get(key)
+        return [] if v is None else (list(v) if isinstance(v, list) else [v])
+
+    pools: list[tuple[str, tuple[str, ...]]] = [
+        ("keywords", NOVEL_PRODUCTS.get(category, ())), ("brands_include", NOVEL_BRANDS.get(category, ())),
+        ("brands_exclude", NOVEL_BRANDS.get(category, ())), ("colors", NOVEL_COLORS),
+        ("material", NOVEL_MATERIALS.get(category, ()))]
+    texts = [req.query] + [t.content for t in req.history if t.role == "user"]
+    for key, pool in pools:
+        for old in values(key):
+            if not isinstance(old, str):
+                return None
+            if not any(_pattern(old).search(t) for t in texts):
+                return None  # typo'd, abbreviated or reworded: cannot replace it consistently
+            new = pick(pool)
+            if new is None:
+                return None
+            plan.append((old, new))
+    if not plan:
+        return None
+
+    def sub_text(text: str) -> str:
+        # longest first, so "trail running shoes" is replaced before "running shoes"
+        for old, new in sorted(plan, key=lambda p: -len(p[0])):
+            text = _pattern(old).sub(new, text)
+        return text
+
+    def sub_value(v: Any) -> Any:
+        if isinstance(v, list):
+            return [sub_value(x) for x in v]
+        if isinstance(v, str):
+            for old, new in plan:
+                if v.lower() == old.lower():
+                    return new
+        return v
+
+    new_gold = {k: (sub_value(v) if k in {p[0] for p in pools} else v) for k, v in gold.items()}
+    history = [Turn(role=t.role, content=sub_text(t.content)) for t in req.history]
+    meta = {**(req.meta or {}), "unseen": "novel", "replaced": [list(p) for p in plan]}
+    return req.model_copy(update={"query": sub_text(req.query), "history": history, "gold": new_gold, "meta": meta})
+
+
+def novel_requests(n: int, seed: int = 0) -> list[Request]:
+    """``n`` search requests in the held-out style whose products, brands, colours and materials are
+    words in no generator pool (module doc); the same (n, seed) always gives the same list."""
+    from .generator import generate
+
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    rng = random.Random(7_000_003 + seed)
+    out: list[Request] = []
+    batch = 4 * n
+    base = generate("test", batch, seed=1000 + seed)  # a seed the test split (seed 0) never uses
+    for req in base:
+        new = _substitute(req, rng)
+        if new is not None:
+            new.id = f"novel-{len(out):05d}"
+            out.append(new)
+            if len(out) == n:
+                return out
+    raise ValueError(f"only {len(out)} of {n} novel requests from {batch} generated ones")

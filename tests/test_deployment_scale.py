@@ -1,0 +1,45 @@
+"""Typed scale settings in DeploymentSpec, and the example spec files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cartspec.serving.spec import DeploymentSpec
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_scale_fields_become_vllm_flags_and_stay_out_of_old_keys():
+    s = DeploymentSpec(tensor_parallel_size=2, gpu_memory_utilization=0.9, enable_prefix_caching=False,
+                       quantization="fp8")
+    assert s.scale_args() == ["--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.9",
+                              "--quantization", "fp8", "--no-enable-prefix-caching"]
+    plain = DeploymentSpec().model_dump(mode="json")
+    assert "tensor_parallel_size" not in plain  # unset: results recorded before keep their keys
+    assert s.model_dump(mode="json")["tensor_parallel_size"] == 2
+    assert DeploymentSpec.model_validate(s.model_dump(mode="json")) == s
+    with pytest.raises(ValueError, match="engine_args passes --tensor-parallel-size too"):
+        DeploymentSpec(tensor_parallel_size=2, engine_args=["--tensor-parallel-size", "4"])
+    with pytest.raises(ValueError):
+        DeploymentSpec(gpu_memory_utilization=1.5)
+
+
+@pytest.mark.parametrize("name,tp,dp", [("cpu", None, None), ("gpu-8b", None, None), ("gpu-tp2", 2, None),
+                                        ("gpu-dp2", None, 2)])
+def test_example_specs_load(name, tp, dp):
+    s = DeploymentSpec.load(EXAMPLES / f"{name}.yaml")
+    assert (s.tensor_parallel_size, s.data_parallel_size) == (tp, dp)
+    assert s.speculative.method == "eagle3" and s.speculative.num_speculative_tokens == 3
+    if name != "cpu":
+        assert s.gpu_memory_utilization == 0.9 and s.dtype == "bfloat16"
+
+
+def test_server_command_carries_the_scale_flags(tiny_llama_dir):
+    from cartspec.serving.server import VllmServer
+
+    spec = DeploymentSpec(model=str(tiny_llama_dir), tensor_parallel_size=2, enable_prefix_caching=True,
+                          engine_args=["--enable-per-request-metrics"])
+    cmd = VllmServer(spec, port=8123, model_dir=tiny_llama_dir).command()
+    assert cmd[-4:] == ["--tensor-parallel-size", "2", "--enable-prefix-caching", "--enable-per-request-metrics"]

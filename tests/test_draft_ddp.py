@@ -1,0 +1,74 @@
+"""Head training under ``torchrun --nproc_per_node 2`` (DDP, gloo on CPU) reaches the loss one process
+reaches on the same data."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = """
+import json, sys
+from pathlib import Path
+from cartspec.draft.features import FeatureSet
+from cartspec.draft.train import TrainConfig, distributed, train_head
+fs = FeatureSet.load(sorted(Path(sys.argv[1]).glob("shard-*.safetensors")))
+cfg = TrainConfig(ttt_steps=3, lr=3e-3, batch_tokens=1024, steps=30, warmup_steps=5, draft_vocab_size=512,
+                  save_every=1000, threads=1)
+head, summary = train_head(fs, Path(sys.argv[2]), Path(sys.argv[3]), cfg, data_key="ddp-test", log=lambda *a: None)
+rank, world = distributed()
+if rank == 0:
+    print("RESULT " + json.dumps({"world": summary["world_size"], "history": [r["loss"] for r in
+          json.loads((Path(sys.argv[3]) / "training_log.json").read_text())["history"]]}), flush=True)
+"""
+
+
+def _run(cmd, env):
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_torchrun_two_processes_reach_the_single_process_loss(tiny_llama_dir, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from cartspec.draft.features import extract
+
+    # a confident target (its final norm scaled up): a random model's near-uniform next-token
+    # distribution leaves a soft cross-entropy nothing to learn
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(40.0)
+    target = tmp_path / "target"
+    model.save_pretrained(target)
+    tiny_llama_dir = target
+
+    rng = random.Random(0)
+    # repetitive "responses" a head can learn: cycles of a few tokens after a random prompt
+    records = []
+    for i in range(32):
+        cyc = [rng.randrange(100, 600) for _ in range(rng.randrange(2, 5))]
+        records.append({"prompt_ids": [rng.randrange(100, 2000) for _ in range(12)],
+                        "output_ids": (cyc * 20)[:40]})
+    extract(tiny_llama_dir, records, tmp_path / "features", [2, 3], shard_size=64)
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = _run([sys.executable, str(script), str(tmp_path / "features"), str(tiny_llama_dir),
+                str(tmp_path / "one")], env)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    two = _run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path / "features"),
+                str(tiny_llama_dir), str(tmp_path / "two")], env)
+    assert one["world"] == 1 and two["world"] == 2
+    tail = lambda h: sum(h[-10:]) / 10  # noqa: E731
+    assert tail(one["history"]) < 0.8 * one["history"][0]  # it learnt something
+    assert abs(tail(two["history"]) - tail(one["history"])) <= 0.05 * tail(one["history"]), (one, two)

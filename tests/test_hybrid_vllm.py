@@ -1,0 +1,63 @@
+"""Real vLLM on CPU runs the hybrid drafter, and the simulator replays it step for step.
+
+A tiny random Llama and an untrained (random) EAGLE-3 head: the head's drafts are almost never
+right, so what is accepted comes from the prompt lookup the hybrid adds in the runner
+(``serving/hybrid.py``, loaded through the import hook of ``vllm_fixes``). The simulator
+(``draft.simulate.simulate_hybrid``), given the same greedy outputs and the same head, must place the
+same accepted counts on the same verify steps; the head alone must not (else the test could not tell
+whether the hybrid ran).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+
+def _random_head(target_dir, out):
+    from cartspec.draft.export import export_head
+    from cartspec.draft.head import Eagle3Head, HeadConfig
+
+    cfg = HeadConfig.for_target(json.loads((target_dir / "config.json").read_text()), draft_vocab_size=256)
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg)
+    head.set_vocab(torch.arange(256))
+    return export_head(head, out)
+
+
+@pytest.mark.timeout(900)
+def test_hybrid_in_vllm_matches_the_simulator(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("CARTSPEC_HOME", str(tmp_path / "home"))
+    from cartspec.draft.acceptance import measure_simulated, measure_vllm
+    from cartspec.serving.hybrid import HybridConfig
+    from cartspec.task.generator import generate
+
+    head_dir = _random_head(tiny_llama_dir, tmp_path / "head")
+    reqs = generate("test", 10, 0)
+    cfg = HybridConfig(n_min=2, n_max=4, rule="lookup", scope="context")
+    real = measure_vllm(str(tiny_llama_dir), "hybrid", 3, reqs, head=str(head_dir), concurrency=4, max_tokens=32,
+                        log_dir=tmp_path / "logs", enforce_eager=True, hybrid=cfg)
+    (tmp_path / "real.json").write_text(json.dumps(real, indent=1))
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
+    assert "cartspec: hybrid EAGLE-3 + prompt lookup" in logs
+    assert real["requests_without_step_metrics"] == 0
+    assert real["accepted_tokens"] > 0, real  # a random head alone accepts ~nothing
+
+    sim = measure_simulated(str(tiny_llama_dir), "hybrid", 3, reqs, head=str(head_dir), max_tokens=32,
+                            enforce_eager=True, hybrid=cfg)
+    head_only = measure_simulated(str(tiny_llama_dir), "hybrid", 3, reqs, head=str(head_dir), max_tokens=32,
+                                  enforce_eager=True, hybrid=HybridConfig(rule="head"))
+    assert head_only["accepted_tokens"] < real["accepted_tokens"] / 2
+    # the same greedy replies, so the same verify steps with the same accepted counts. The replies run
+    # to max_tokens here: vLLM's last step drafts past the cap and counts drafts whose tokens are then
+    # cut off, the simulator only what fits, so each reply's last step is left out of the comparison.
+    pairs = [(a["per_step_accepted"], b) for a, b in zip(real["replies"], sim["per_step_accepted"])]
+    same = sum(len(a) == len(b) and a[:-1] == b[:-1] for a, b in pairs)
+    assert same >= len(reqs) - 1, pairs
+    acc_real = sum(sum(a[:-1]) for a, _ in pairs)
+    acc_sim = sum(sum(b[:-1]) for _, b in pairs)
+    assert acc_real > 0 and abs(acc_sim - acc_real) <= 0.05 * acc_real, (acc_sim, acc_real)
