@@ -103,3 +103,37 @@ def make_tiny_target(arch: str, out: Path, tokenizer_dir: Path, seed: int = 0, d
     model.to(getattr(torch, dtype)).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def make_lora(base_dir: Path, out: Path, seed: int = 0):
+    """A LoRA adapter (r=4 on q/v/down projections) on ``base_dir`` with random non-zero B matrices, saved to
+    ``out``; returns the peft model in eval mode."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                             task_type="CAUSAL_LM"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at zero; make the adapter do something
+            torch.nn.init.normal_(p, std=0.05)
+    model.save_pretrained(out)
+    return model.eval()
+
+
+def make_random_head(target_dir: Path, out: Path) -> Path:
+    """A randomly initialised EAGLE-3 head for ``target_dir`` (256-token draft vocabulary), exported for vLLM."""
+    import json
+
+    import torch
+
+    from cartspec.draft.export import export_head
+    from cartspec.draft.head import Eagle3Head, HeadConfig
+
+    cfg = HeadConfig.for_target(json.loads((Path(target_dir) / "config.json").read_text()), draft_vocab_size=256)
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg)
+    head.set_vocab(torch.arange(256))
+    return export_head(head, out)

@@ -13,20 +13,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from conftest import make_random_head
 
 pytestmark = pytest.mark.vllm
-
-
-def _random_head(target_dir, out):
-    from cartspec.draft.export import export_head
-    from cartspec.draft.head import Eagle3Head, HeadConfig
-
-    cfg = HeadConfig.for_target(json.loads((target_dir / "config.json").read_text()), draft_vocab_size=256)
-    torch.manual_seed(0)
-    head = Eagle3Head(cfg)
-    head.set_vocab(torch.arange(256))
-    return export_head(head, out)
 
 
 @pytest.mark.timeout(900)
@@ -36,7 +25,7 @@ def test_hybrid_in_vllm_matches_the_simulator(tiny_llama_dir, tmp_path, monkeypa
     from cartspec.serving.hybrid import HybridConfig
     from cartspec.task.generator import generate
 
-    head_dir = _random_head(tiny_llama_dir, tmp_path / "head")
+    head_dir = make_random_head(tiny_llama_dir, tmp_path / "head")
     reqs = generate("test", 10, 0)
     cfg = HybridConfig(n_min=2, n_max=4, rule="lookup", scope="context")
     real = measure_vllm(str(tiny_llama_dir), "hybrid", 3, reqs, head=str(head_dir), concurrency=4, max_tokens=32,

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_lora
 
 from cartspec.model.convert import ModelNotFound, bundled_gguf, convert_gguf
 from cartspec.model.lora import LoraConfig, merge_adapter, train_lora
@@ -64,26 +65,11 @@ def test_adapter_directory_is_merged_onto_the_base(tmp_path, monkeypatch):
         convert_gguf(tmp_path / "x.gguf", out=tmp_path / "o")
 
 
-def _adapter(tiny_llama_dir, out, steps_seed=0):
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(steps_seed)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-    model = get_peft_model(model, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                                 task_type="CAUSAL_LM"))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # B starts at zero; make the adapter do something
-            torch.nn.init.normal_(p, std=0.05)
-    model.save_pretrained(out)
-    return model
-
 
 def test_merged_model_equals_base_plus_adapter(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    peft_model = _adapter(tiny_llama_dir, tmp_path / "adapter").eval()
+    peft_model = make_lora(tiny_llama_dir, tmp_path / "adapter")
     merged_dir = merge_adapter(tiny_llama_dir, tmp_path / "adapter", tmp_path / "merged", dtype="float32")
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

@@ -10,22 +10,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
+from conftest import make_random_head
 
 pytestmark = pytest.mark.vllm
-
-
-def _random_head(target_dir, out):
-    import json
-
-    from cartspec.draft.export import export_head
-    from cartspec.draft.head import Eagle3Head, HeadConfig
-
-    cfg = HeadConfig.for_target(json.loads((target_dir / "config.json").read_text()), draft_vocab_size=256)
-    torch.manual_seed(0)
-    head = Eagle3Head(cfg)
-    head.set_vocab(torch.arange(256))
-    return export_head(head, out)
 
 
 @pytest.mark.timeout(600)
@@ -34,7 +21,7 @@ def test_a_lone_request_drafts_and_a_full_batch_does_not(tiny_llama_dir, tmp_pat
     from cartspec.serving.server import VllmServer
     from cartspec.serving.spec import DeploymentSpec, Speculative
 
-    head = _random_head(tiny_llama_dir, tmp_path / "head")
+    head = make_random_head(tiny_llama_dir, tmp_path / "head")
     spec = DeploymentSpec(name="tiny", model=str(tiny_llama_dir), enforce_eager=True, max_model_len=512,
                           max_num_seqs=8, speculative=Speculative(method="eagle3", model=str(head),
                                                                   num_speculative_tokens=3,

@@ -6,24 +6,10 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import make_lora, make_tiny_target
 
 from cartspec.model.convert import ModelNotFound
 
-
-def _lora(base_dir, out, seed=0):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
-                                             task_type="CAUSAL_LM"))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:  # B starts at zero; make the adapter do something
-            torch.nn.init.normal_(p, std=0.05)
-    model.save_pretrained(out)
-    return model.eval()
 
 
 def _logits(model, ids):
@@ -39,7 +25,7 @@ def test_adapter_is_merged_onto_the_local_base_it_names(tokenizer_dir, tmp_path)
     from cartspec.model.registry import resolve_model, target_digest
 
     base = make_tiny_target("qwen3", tmp_path / "qwen3-base", tokenizer_dir, dtype="float32")
-    peft_model = _lora(base, tmp_path / "adapter")
+    peft_model = make_lora(base, tmp_path / "adapter")
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] \
         == str(base)
     merged = resolve_model(str(tmp_path / "adapter"))
