@@ -39,7 +39,7 @@ async def run_mode(client: ChatClient, reqs, structured: bool, concurrency: int,
         comp = await client.chat(messages(req), max_tokens=max_tokens, temperature=0.0, json_schema=schema)
         reading = read_reply(req.task, comp.text)
         return {"task": req.task, "seconds": time.perf_counter() - t, "tokens": comp.output_tokens,
-                "schema_valid": reading.schema_valid, "typed": reading.value is not None, "spec": comp.spec or {}}
+                "schema_valid": reading.schema_valid, "typed": reading.value is not None, "spec": comp.request_spec_metrics or {}}
 
     return await gather_limited((one(r) for r in reqs), concurrency)
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from statistics import median
 
 from cartspec.bench.loadgen import ChatRequest, LoadConfig, run_load
-from cartspec.bench.results import PointConfig, PointResult
+from cartspec.results import PointConfig, PointResult
 
 DEFAULT_GUIDELLM = Path.home() / ".cache/cartspec/guidellm-venv/bin/guidellm"
 
@@ -83,7 +83,7 @@ def run_cartspec(url: str, model: str, bodies: list[dict], streams: int, output_
     cfg = LoadConfig(concurrency=streams, n_requests=len(reqs), warmup=0)
     res = asyncio.run(run_load(url, model, reqs, cfg))
     point = PointResult.measured(PointConfig(deployment="x", method="none", concurrency=streams,
-                                             n_requests=len(reqs)), res.records, res.wall_s, res.spec)
+                                             n_requests=len(reqs)), res.records, res.wall_s, res.acceptance)
     return {"requests": point.n_requests, "errors": point.n_errors, "duration_s": point.wall_s,
             "output_throughput": point.output_throughput, "ttft_p50": point.ttft_p50, "tpot_p50": point.tpot_p50,
             "output_tokens_p50": median(r.output_tokens for r in res.records if r.ok)}

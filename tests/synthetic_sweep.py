@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from cartspec.analysis.cost_model import StepCosts
-from cartspec.bench.results import Machine, PointConfig, PointResult, RequestRecord, SpecStats, append_result
+from cartspec.results import Machine, PointConfig, PointResult, AcceptanceStats, RequestRecord, append_result
 from cartspec.serving.spec import DeploymentSpec, Speculative
 
 MACHINE = Machine(hostname="synthetic", platform="test", cpu="Synthetic CPU", cores=2, memory_gib=24.0,
@@ -57,9 +57,9 @@ def point(costs: StepCosts, method: str, gamma: int, concurrency: int, temperatu
     stats = None
     if g:
         drafts = 1000.0
-        stats = SpecStats(drafts=drafts, draft_tokens=drafts * g, accepted=drafts * sum(per_pos),
-                          accepted_per_pos=[drafts * p for p in per_pos])
-    return PointResult.measured(cfg, records, wall, spec=stats, machine=MACHINE)
+        stats = AcceptanceStats(steps=drafts, drafted=drafts * g, accepted=drafts * sum(per_pos),
+                                per_position=[drafts * p for p in per_pos])
+    return PointResult.measured(cfg, records, wall, acceptance=stats, machine=MACHINE)
 
 
 def sweep(costs: StepCosts = CPU_LIKE, deployments=(("none", 0), ("eagle3", 3), ("eagle3", 5)),

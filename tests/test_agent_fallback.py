@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from cartspec.agent import AgentConfig, Upstream, Upstreams
-from cartspec.agent.acceptance import SpecStats, pooled, reply_stats
+from cartspec.agent.acceptance import AcceptanceStats, pooled, reply_stats
 from cartspec.agent.config import FallbackConfig, RouterConfig
 from cartspec.agent.fallback import AcceptanceFallback
 from cartspec.agent.router import Router
@@ -29,7 +29,7 @@ def spec(accepted: int, drafted: int = 30, steps: int = 10) -> dict:
             "draft_acceptance_rate": accepted / drafted if drafted else None}
 
 
-def reply(accepted: int, drafted: int = 30) -> SpecStats | None:
+def reply(accepted: int, drafted: int = 30) -> AcceptanceStats | None:
     return reply_stats(spec(accepted, drafted, steps=drafted // 3))
 
 
@@ -111,7 +111,7 @@ def test_rolling_acceptance_is_token_weighted_over_the_last_window_replies():
     for accepted, drafted in ((3, 3), (0, 30), (15, 30)):
         fb.observe(reply(accepted, drafted))
     assert fb.window.rate == pytest.approx(18 / 63)
-    assert pooled([reply(3, 3), reply(0, 30), reply(15, 30)]).acceptance_rate == pytest.approx(18 / 63)
+    assert pooled([reply(3, 3), reply(0, 30), reply(15, 30)]).rate == pytest.approx(18 / 63)
 
 
 def test_fallback_config_needs_hysteresis():

@@ -11,7 +11,7 @@ from synthetic_sweep import ACCEPT, CPU_LIKE, lengths, point, sweep, true_throug
 
 from cartspec.analysis.cost_model import (CostModel, StepCosts, acceptance_for, fit_cost_model, leave_one_out,
                                           median_abs_error, nnls)
-from cartspec.bench.results import PointResult
+from cartspec.results import PointResult
 
 
 def _close(fitted: StepCosts, true: StepCosts, rel: float) -> None:

@@ -1,5 +1,5 @@
 """An adaptive deployment (``eagle3:HEAD:auto``) gets the schedule tuned for this machine: from the
-cache, else from the run's own points, else from a calibration; a study that cannot tune it records
+run's own points, else from the cache, else from a calibration; a study that cannot tune it records
 why and goes on."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 
 from cartspec.bench import adaptive
 from cartspec.bench.plan import parse_deployment, preset
-from cartspec.bench.results import load_results
+from cartspec.results import load_results
 from synthetic_sweep import sweep, write_run
 
 
@@ -44,6 +44,18 @@ def test_the_runs_own_points_tune_it_and_the_schedule_is_cached(home, tmp_path):
     # A second study (no points of its own) reuses the cache: same schedule, no calibration.
     again = adaptive.resolve_adaptive(spec, tmp_path / "empty-run", _calibrate_never, log=lambda m: None)
     assert again.speculative.schedule == sched
+
+
+def test_the_runs_own_points_win_over_an_older_cached_schedule(home, tmp_path):
+    spec = parse_deployment("eagle3:domain:auto", "commerce").model_copy(update={"dtype": "float32"})
+    stale = adaptive.adaptive_spec(spec, [(1, 64, 1)])
+    stale.save(adaptive.tune_dir() / f"{adaptive.cache_key(spec)}.yaml")
+    run = write_run(tmp_path / "run", sweep())
+    tuned = adaptive.resolve_adaptive(spec, run, _calibrate_never, log=lambda m: None)
+    assert tuned.speculative.schedule != [(1, 64, 1)] and tuned.speculative.gamma_at(32) == 0
+    # and the cache now holds this run's schedule
+    again = adaptive.resolve_adaptive(spec, tmp_path / "empty-run", _calibrate_never, log=lambda m: None)
+    assert again.speculative.schedule == tuned.speculative.schedule
 
 
 def test_without_points_it_calibrates_first(home, tmp_path):

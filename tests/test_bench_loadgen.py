@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from cartspec.bench.loadgen import ChatRequest, LoadConfig, record_from_events, run_load
-from cartspec.bench.results import PointConfig, PointResult
+from cartspec.results import PointConfig, PointResult
 from cartspec.testing.trivial_server import FakeConfig, TrivialServer
 
 MSG = [{"role": "user", "content": "red trail runners under $120"}]
@@ -75,7 +75,7 @@ def test_errors_are_recorded_and_counted_never_dropped():
     # a stream cut mid-way: httpx sees the broken chunked body, or the stream ends without [DONE]
     assert all("RemoteProtocolError" in e or "before [DONE]" in e for e in errors[2:]), errors
     point = PointResult.measured(PointConfig(deployment="x", method="none", concurrency=2, n_requests=7),
-                                 res.records, res.wall_s, res.spec)
+                                 res.records, res.wall_s, res.acceptance)
     assert point.n_requests == 7 and point.n_errors == 4
     assert point.output_tokens == 15  # only completed requests count
     assert point.slo_attainment == pytest.approx(3 / 7)
@@ -84,7 +84,7 @@ def test_errors_are_recorded_and_counted_never_dropped():
 def test_unreachable_server_gives_error_records():
     res = asyncio.run(run_load("http://127.0.0.1:9", "m", reqs(3), LoadConfig(concurrency=1, n_requests=3)))
     assert len(res.records) == 3 and all(not r.ok for r in res.records)
-    assert res.spec is None
+    assert res.acceptance is None
 
 
 def test_closed_loop_keeps_exactly_concurrency_in_flight():
@@ -94,7 +94,7 @@ def test_closed_loop_keeps_exactly_concurrency_in_flight():
     assert len(res.records) == 16
     # output throughput uses the wall time of the whole run
     point = PointResult.measured(PointConfig(deployment="x", method="none", concurrency=4, n_requests=16),
-                                 res.records, res.wall_s, res.spec)
+                                 res.records, res.wall_s, res.acceptance)
     assert point.output_throughput == pytest.approx(16 * 5 / res.wall_s)
 
 
@@ -105,10 +105,10 @@ def test_warmup_is_excluded_from_records_and_counters():
         assert srv.counters.requests == 8
     assert len(res.records) == 5 and res.n_warmup == 3
     drafts = 5 * 8 / 2.0  # tokens / (1 + sum(accept_per_pos)) per request
-    assert res.spec.drafts == pytest.approx(drafts)
-    assert res.spec.acceptance_rate == pytest.approx(1.0 / 3)
-    assert res.spec.tau == pytest.approx(2.0)
-    assert res.spec.per_position == pytest.approx([0.5, 0.25, 0.25])
+    assert res.acceptance.steps == pytest.approx(drafts)
+    assert res.acceptance.rate == pytest.approx(1.0 / 3)
+    assert res.acceptance.tau == pytest.approx(2.0)
+    assert res.acceptance.per_position_rate == pytest.approx([0.5, 0.25, 0.25])
 
 
 def test_open_loop_poisson_arrivals_do_not_wait_for_replies():

@@ -39,9 +39,9 @@ def test_delta_gives_acceptance_tau_and_per_position():
     assert after.drafts == 300 and after.draft_tokens == 900 and after.accepted == 330
     stats = (after - before).stats()
     # over the point: 200 drafts, 600 draft tokens, 240 accepted (120, 80, 40 by position)
-    assert stats.acceptance_rate == pytest.approx(240 / 600)
+    assert stats.rate == pytest.approx(240 / 600)
     assert stats.tau == pytest.approx(1 + 240 / 200)
-    assert stats.per_position == pytest.approx([0.6, 0.4, 0.2])
+    assert stats.per_position_rate == pytest.approx([0.6, 0.4, 0.2])
 
 
 def test_engines_are_summed():
@@ -63,6 +63,6 @@ def test_per_request_metrics_fallback():
     stats = stats_from_responses([
         {"num_spec_steps": 10, "num_draft_tokens": 30, "num_accepted_draft_tokens": 12},
         {"num_spec_steps": 10, "num_draft_tokens": 30, "num_accepted_draft_tokens": 8}, None])
-    assert stats.acceptance_rate == pytest.approx(20 / 60) and stats.tau == pytest.approx(2.0)
+    assert stats.rate == pytest.approx(20 / 60) and stats.tau == pytest.approx(2.0)
     assert stats.source == "responses"
     assert stats_from_responses([]) is None

@@ -6,7 +6,7 @@ import contextlib
 
 from typer.testing import CliRunner
 
-from cartspec.bench.results import DeploymentInfo, PointConfig, load_results
+from cartspec.results import DeploymentInfo, PointConfig, load_results
 from cartspec.bench.sweep import SweepPlan, parse_deployment, run_sweep
 from cartspec.cli import app
 from cartspec.paths import config_digest

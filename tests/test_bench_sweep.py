@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cartspec.bench.results import DeploymentInfo, load_results, results_path
+from cartspec.results import DeploymentInfo, load_results, results_path
 from cartspec.bench.sweep import SweepPlan, parse_deployment, preset, run_sweep
 from cartspec.testing.trivial_server import FakeConfig, TrivialServer
 from cartspec.report.build import build_report
@@ -77,16 +77,29 @@ def plan(*deps: str, **kw) -> SweepPlan:
     return SweepPlan(**{**base, **kw})
 
 
-def test_presets_match_the_published_grid():
+@pytest.mark.parametrize("suffix", [True, False])
+def test_presets_match_the_published_grid(monkeypatch, suffix):
+    from cartspec.bench import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "suffix_available", lambda: suffix)
     p = preset("paper")
-    # the published study's deployments, then the off-the-shelf head, n-gram and the schedule tuned here
-    assert [d.label for d in p.deployments] == ["baseline", "eagle3-domain-g3", "eagle3-domain-g5",
-                                                "eagle3-generic-g3", "ngram-g3", "eagle3-domain-auto"]
+    # the published study's deployments, then n-gram, suffix decoding where it is installed, and the
+    # schedule tuned here
+    assert [d.label for d in p.deployments] == ["baseline", "eagle3-domain-g3", "eagle3-domain-g5", "ngram-g3",
+                                                *(["suffix-g3"] if suffix else []), "eagle3-domain-auto"]
     assert p.concurrencies == [1, 2, 4, 8, 16, 32] and p.temperatures == [0.0, 0.5]
-    assert len(p.all_points()) == 72
+    assert len(p.all_points()) == 12 * len(p.deployments)
     q = preset("quick")
-    assert q.deployments[0].label == "baseline" and "ngram-g3" in [d.label for d in q.deployments]
+    assert [d.label for d in q.deployments] == ["baseline", "ngram-g3", "eagle3-domain-g3", "hybrid-domain-g3"]
     assert len({pt.key for pt in q.all_points()}) == len(q.all_points())
+
+
+def test_suffix_without_arctic_inference_is_refused_with_what_to_do(monkeypatch):
+    from cartspec.bench import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "suffix_available", lambda: False)
+    with pytest.raises(ValueError, match="arctic-inference.*scripts/install.sh"):
+        parse_deployment("suffix:3", "commerce")
 
 
 def test_failed_deployment_and_dead_server_are_recorded_and_the_sweep_goes_on(tmp_path):

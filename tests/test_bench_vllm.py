@@ -50,14 +50,15 @@ def test_tiny_sweep_on_vllm(tiny_llama_dir, tmp_path, monkeypatch):
     assert counters["ngram-g3"].present and not counters["baseline"].present
     for c in (1, 4):
         ngram, base = by[("ngram-g3", c)], by[("baseline", c)]
-        assert all(rec.spec is not None and "num_spec_steps" in rec.spec for rec in ngram.records)
-        assert all(rec.spec is None for rec in base.records) and base.spec is None
+        assert all(rec.request_spec_metrics is not None and "num_spec_steps" in rec.request_spec_metrics
+                   for rec in ngram.records)
+        assert all(rec.request_spec_metrics is None for rec in base.records) and base.acceptance is None
         # the point's acceptance: read whenever some reply drafted (from /metrics, else the replies), and sane
-        if any(rec.spec["num_spec_steps"] for rec in ngram.records):
-            assert ngram.spec is not None and ngram.spec.source in ("metrics", "responses")
-        if ngram.spec is not None:
-            assert ngram.spec.drafts > 0 and 0 <= ngram.spec.accepted <= ngram.spec.draft_tokens
-            assert ngram.spec.draft_tokens <= 3 * ngram.spec.drafts  # γ = 3
+        if any(rec.request_spec_metrics["num_spec_steps"] for rec in ngram.records):
+            assert ngram.acceptance is not None and ngram.acceptance.source in ("metrics", "responses")
+        if ngram.acceptance is not None:
+            assert ngram.acceptance.steps > 0 and 0 <= ngram.acceptance.accepted <= ngram.acceptance.drafted
+            assert ngram.acceptance.drafted <= 3 * ngram.acceptance.steps  # γ = 3
     failed = [r for r in results if r.config.method == "eagle3"]
     assert len(failed) == 2 and all(r.status == "failed" and "missing-head" in r.reason for r in failed)
     rep = build_report(out)

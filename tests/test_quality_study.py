@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cartspec.bench.results import PointConfig, PointResult, RequestRecord, append_result
+from cartspec.results import PointConfig, PointResult, RequestRecord, append_result
 from cartspec.bench.sweep import load_request_set
 from cartspec.cli import app
 from cartspec.quality.study import QualityError, QualityReport, quality_for_run

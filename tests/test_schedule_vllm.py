@@ -40,12 +40,17 @@ def test_a_lone_request_drafts_and_a_full_batch_does_not(tiny_llama_dir, tmp_pat
                 return lone, batch
 
         lone, batch = asyncio.run(run())
-    drafted_lone = lone.spec["per_step_drafted"]
-    assert drafted_lone and all(d == 3 for d in drafted_lone), lone.spec
+    drafted_lone = lone.request_spec_metrics["per_step_drafted"]
+    assert drafted_lone and all(d == 3 for d in drafted_lone), lone.request_spec_metrics
     # Six requests sent together share the batch (batch size >= 2 -> γ = 0) once all have been admitted;
     # only a request that ran alone for a step (before the others arrived) may have drafted.
     # (a request that never drafted reports per_step_drafted as null)
-    drafted = [d for b in batch for d in ((b.spec or {}).get("per_step_drafted") or [])]
+    drafted = [d for b in batch for d in ((b.request_spec_metrics or {}).get("per_step_drafted") or [])]
     tokens = sum(b.output_tokens for b in batch)
     assert tokens == 6 * 24
     assert sum(drafted) <= 0.1 * 3 * tokens, (sum(drafted), tokens)
+    # γ = 0 steps skip the drafter's forward pass (idle_drafter.py), and that loses nothing: greedy replies
+    # drafted for at every step and replies never drafted for are the target's, token for token.
+    log = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))
+    assert "skip the EAGLE drafter" in log
+    assert all(b.text == lone.text for b in batch), [b.text for b in batch]

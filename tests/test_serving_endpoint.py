@@ -16,7 +16,7 @@ import pytest
 from cartspec.bench.loadgen import LoadConfig, body_for, chat_requests, run_load
 from cartspec.bench.metrics import scrape
 from cartspec.bench.plan import SweepPlan
-from cartspec.bench.results import load_results, results_path
+from cartspec.results import load_results, results_path
 from cartspec.bench.sweep import run_sweep
 from cartspec.serving.client import ChatClient, chat_body
 from cartspec.serving.endpoint import EndpointError, MissingApiKey, endpoint
@@ -114,7 +114,7 @@ def test_load_against_an_endpoint_without_metrics_has_no_acceptance_and_no_error
     with TrivialServer(FakeConfig(tokens=5, metrics=False)) as srv:
         reqs = chat_requests([Request(id=f"q{i}", query=f"boots {i}") for i in range(4)], 16)
         res = asyncio.run(run_load(srv.url, "trivial", reqs, LoadConfig(concurrency=2, n_requests=4)))
-    assert res.spec is None and len(res.records) == 4 and all(r.ok for r in res.records)
+    assert res.acceptance is None and len(res.records) == 4 and all(r.ok for r in res.records)
 
 
 # --- the study against a keyed NIM -------------------------------------------------------------
@@ -130,7 +130,7 @@ def test_the_study_measures_a_keyed_nim_endpoint_without_acceptance_figures(tmp_
     with TrivialServer(nim()) as srv:
         results = run_sweep(nim_plan(srv.url), tmp_path, api_key_env="NIM_API_KEY")
     assert [r.status for r in results] == ["ok", "ok"], [r.reason for r in results]
-    assert all(r.n_requests == 4 and r.n_errors == 0 and r.spec is None and r.acceptance_rate is None
+    assert all(r.n_requests == 4 and r.n_errors == 0 and r.acceptance is None and r.acceptance_rate is None
                for r in results)
     assert srv.counters.refused == [] and srv.counters.requests == 2 * (4 + 1)
     assert results[0].deployment.model == "trivial"

@@ -1,9 +1,9 @@
-"""Acceptance, defined once for the agent, as the study defines it: accepted draft tokens / proposed draft tokens.
+"""Acceptance for the agent, as the study defines it (``cartspec.results.AcceptanceStats``).
 
-rate = accepted / drafted tokens: ``SpecStats.acceptance_rate``, read from
-vLLM's per-request ``speculative_decoding`` counts the way the load generator
-reads them. A reply that drafted nothing (plain deployment, or a reply too
-short to draft) says nothing about the draft: it is no observation (None),
+rate = accepted / drafted tokens and τ = 1 + accepted / verification steps, read
+from vLLM's per-request ``speculative_decoding`` counts the way the load
+generator reads them. A reply that drafted nothing (plain deployment, or a reply
+too short to draft) says nothing about the draft: it is no observation (None),
 never a rate of 0.
 """
 
@@ -11,23 +11,17 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from ..bench.metrics import stats_from_responses
-from ..bench.results import SpecStats
+from ..results import AcceptanceStats
 
-__all__ = ["SpecStats", "pooled", "reply_stats"]
+__all__ = ["AcceptanceStats", "pooled", "reply_stats"]
 
 
-def reply_stats(spec: dict[str, Any] | None) -> SpecStats | None:
+def reply_stats(request_spec_metrics: dict[str, Any] | None) -> AcceptanceStats | None:
     """One reply's draft counts, or None when it drafted no token."""
-    stats = stats_from_responses([spec] if spec else [])
-    return stats if stats is not None and stats.acceptance_rate is not None else None
+    stats = AcceptanceStats.from_vllm(request_spec_metrics)
+    return stats if stats.rate is not None else None
 
 
-def pooled(stats: Iterable[SpecStats]) -> SpecStats:
+def pooled(stats: Iterable[AcceptanceStats]) -> AcceptanceStats:
     """Counts summed over replies: their rate weighs each reply by its drafted tokens."""
-    out = SpecStats(source="responses")
-    for s in stats:
-        out.drafts += s.drafts
-        out.draft_tokens += s.draft_tokens
-        out.accepted += s.accepted
-    return out
+    return AcceptanceStats.pooled(stats)

@@ -284,9 +284,9 @@ class Agent:
             self.metrics.stage.labels(endpoint, "queue").observe(queued)
             self.metrics.stage.labels(endpoint, "upstream").observe(call_s - queued)
             rec.output_tokens, rec.finish_reason = comp.output_tokens, comp.finish_reason
-            rec.spec = SpecTrace.from_vllm(comp.spec)
+            rec.spec = SpecTrace.from_vllm(comp.request_spec_metrics)
             self.metrics.output_tokens.labels(decision.target).inc(comp.output_tokens)
-            stats = reply_stats(comp.spec)
+            stats = reply_stats(comp.request_spec_metrics)
             self.metrics.observe_spec(decision.target, stats)
             if self.fallback is not None and decision.target == "speculative":
                 switch = self.fallback.observe(stats)

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from .acceptance import SpecStats, pooled
+from .acceptance import AcceptanceStats, pooled
 from .config import FallbackConfig
 
 State = Literal["speculative", "fallback"]
@@ -59,9 +59,9 @@ class AcceptanceWindow:
     """Accepted / drafted tokens over the last ``size`` replies that drafted."""
 
     def __init__(self, size: int):
-        self._items: deque[SpecStats] = deque(maxlen=size)
+        self._items: deque[AcceptanceStats] = deque(maxlen=size)
 
-    def add(self, stats: SpecStats) -> None:
+    def add(self, stats: AcceptanceStats) -> None:
         self._items.append(stats)
 
     def clear(self) -> None:
@@ -72,7 +72,7 @@ class AcceptanceWindow:
 
     @property
     def rate(self) -> float | None:
-        return pooled(self._items).acceptance_rate
+        return pooled(self._items).rate
 
 
 class AcceptanceFallback:
@@ -99,9 +99,9 @@ class AcceptanceFallback:
         self._routed_in_fallback += 1
         return self.view(probe=self._routed_in_fallback % self.probe_every == 0)
 
-    def observe(self, stats: SpecStats | None) -> Switch | None:
+    def observe(self, stats: AcceptanceStats | None) -> Switch | None:
         """A speculative reply's draft counts (``acceptance.reply_stats``); None: it drafted nothing."""
-        if stats is None or stats.acceptance_rate is None:
+        if stats is None or stats.rate is None:
             return None
         self.window.add(stats)
         rate, n, c = self.window.rate, len(self.window), self.config

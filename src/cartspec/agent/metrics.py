@@ -1,7 +1,7 @@
 """Prometheus metrics of one agent app, in its own registry (two apps in one
 process, as in tests, never share counters).
 
-Acceptance is defined once (``acceptance.py``): rate = accepted / proposed
+Acceptance is defined once (``cartspec.results.AcceptanceStats``): rate = accepted / proposed
 draft tokens; τ = 1 + accepted / drafts (verify steps). Both come from vLLM's
 per-request speculative metrics, summed per deployment, so they describe exactly
 the traffic this agent sent, not the server's lifetime.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
-from .acceptance import SpecStats, pooled
+from .acceptance import AcceptanceStats, pooled
 
 LATENCY_BUCKETS = (0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 13.0, 20.0, 30.0, 60.0)
 
@@ -66,18 +66,18 @@ class AgentMetrics:
                                           ["endpoint", "target"], registry=r)
         self.expected_latency = Gauge(p + "admission_expected_seconds", "Admission control's expected latency "
                                       "of a request arriving now (NaN while not measured)", ["target"], registry=r)
-        self._sums: dict[str, SpecStats] = {}
+        self._sums: dict[str, AcceptanceStats] = {}
 
-    def observe_spec(self, target: str, stats: SpecStats | None) -> None:
+    def observe_spec(self, target: str, stats: AcceptanceStats | None) -> None:
         """One reply's draft counts (``acceptance.reply_stats``); None: it drafted nothing."""
         if stats is None:
             return
-        self.drafts.labels(target).inc(stats.drafts)
-        self.draft_tokens.labels(target).inc(stats.draft_tokens)
+        self.drafts.labels(target).inc(stats.steps)
+        self.draft_tokens.labels(target).inc(stats.drafted)
         self.accepted_tokens.labels(target).inc(stats.accepted)
-        total = self._sums[target] = pooled([self._sums.get(target, SpecStats()), stats])
-        if total.acceptance_rate is not None:
-            self.acceptance_rate.labels(target).set(total.acceptance_rate)
+        total = self._sums[target] = pooled([self._sums.get(target, AcceptanceStats()), stats])
+        if total.rate is not None:
+            self.acceptance_rate.labels(target).set(total.rate)
         if total.tau is not None:
             self.acceptance_length.labels(target).set(total.tau)
         if stats.tau is not None:

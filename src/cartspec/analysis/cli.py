@@ -28,7 +28,7 @@ def tune(
     min_speedup: float = typer.Option(1.0, help="speculate only where the speedup over plain decoding beats this"),
 ) -> None:
     """Fit this machine's step costs to a study and write the fastest γ per batch size as a deployment spec."""
-    from ..bench.results import load_results, results_path
+    from ..results import load_results, results_path
     from .tune import base_spec, save_tuned, tune_schedule
 
     if not results_path(run).exists():

@@ -43,7 +43,7 @@ from typing import Iterable
 import numpy as np
 from pydantic import BaseModel, Field, computed_field
 
-from ..bench.results import PointResult
+from ..results import PointResult
 from ..config_files import FileModel
 
 #: Methods whose drafts come from a model forward: the ones this cost model describes.
@@ -163,7 +163,7 @@ def exclusion(r: PointResult) -> str | None:
     if c.method != "none":
         if not c.gamma:
             return "speculative point without γ"
-        if r.spec is None or not r.spec.drafts or len(r.spec.per_position) < c.gamma:
+        if r.acceptance is None or not r.acceptance.steps or len(r.acceptance.per_position) < c.gamma:
             return "no per-position acceptance counters"
     return None
 
@@ -175,7 +175,7 @@ def observe(r: PointResult) -> Observation:
         out = r.output_tokens / max(r.n_requests - r.n_errors, 1)
     prompt = float(np.mean([x.prompt_tokens for x in ok])) if ok else 0.0
     gamma = 0 if r.config.method == "none" else int(r.config.gamma or 0)
-    per_pos = tuple(r.spec.per_position[:gamma]) if gamma and r.spec else ()
+    per_pos = tuple(r.acceptance.per_position_rate[:gamma]) if gamma and r.acceptance else ()
     return Observation(result=r, batch=in_flight(r), gamma=gamma, per_position=per_pos, prompt_tokens=prompt,
                        output_tokens=max(out, 1.0), throughput=float(r.output_throughput))
 

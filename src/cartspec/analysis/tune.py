@@ -25,7 +25,7 @@ from typing import Iterable, Literal
 import numpy as np
 from pydantic import BaseModel, Field
 
-from ..bench.results import PointResult
+from ..results import PointResult
 from ..config_files import FileModel
 from ..serving.spec import DeploymentSpec, Speculative
 from .cost_model import (CALIBRATE_HINT, MODEL_DRAFTERS, CostModel, Observation, acceptance_for, exclusion,

@@ -3,9 +3,10 @@
 A deployment labelled ``eagle3:HEAD:auto`` has no fixed γ. When the study reaches it,
 its schedule comes from, in order:
 
-1. the schedule cached for this machine, dtype, target and head (``$CARTSPEC_HOME/tune/``);
-2. this run's own points, when they hold the baseline and that head at two or more loads
-   (the ``paper`` preset measures them before the adaptive row);
+1. this run's own points, when they hold the baseline and that head at two or more loads
+   (the ``paper`` preset measures them before the adaptive row): measured minutes ago on this
+   machine, they beat any earlier tuning;
+2. the schedule cached for this machine, dtype, target and head (``$CARTSPEC_HOME/tune/``);
 3. a calibration (``--preset calibrate``, a few minutes) run into the cache first.
 
 Whichever it was, the tuned spec is cached, so ``cartspec serve --adaptive`` and a rerun of the
@@ -19,7 +20,7 @@ from typing import Callable
 
 from ..paths import config_digest, home
 from ..serving.spec import DeploymentSpec
-from .results import PointResult, load_results
+from ..results import PointResult, load_results
 
 
 def tune_dir() -> Path:
@@ -81,14 +82,15 @@ def resolve_adaptive(spec: DeploymentSpec, run_dir: Path, calibrate: Callable[[D
         return spec
     key = cache_key(spec)
     cached = tune_dir() / f"{key}.yaml"
-    if cached.exists():
-        tuned = DeploymentSpec.load(cached)
-        log(f"adaptive {sp.label}: schedule {tuned.speculative.schedule} (cached for this machine: {cached})")
-        return adaptive_spec(spec, tuned.speculative.schedule)
     try:
         out = tune_from(load_results(run_dir), spec)
         source = f"tuned from this run's points ({run_dir})"
     except ValueError as exc:
+        if cached.exists():
+            tuned = DeploymentSpec.load(cached)
+            log(f"adaptive {sp.label}: this run cannot tune it ({exc}); schedule {tuned.speculative.schedule} "
+                f"(cached for this machine: {cached})")
+            return adaptive_spec(spec, tuned.speculative.schedule)
         cal_dir = tune_dir() / f"calibrate-{key}"
         log(f"adaptive {sp.label}: this run cannot tune it ({exc}); calibrating into {cal_dir}")
         out = tune_from(calibrate(spec, cal_dir), spec)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
+
+if TYPE_CHECKING:
+    from ..analysis.study import StudyRow
 
 console = Console(stderr=True)
 if not console.is_terminal:  # a log file or pipe gets whole lines and tables, not 80 squeezed columns
@@ -212,7 +215,7 @@ def study(
     console.print(f"report: {report.html}\nsummary: {report.summary}")
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[StudyRow]) -> None:
     """The per-point table a user reads first: throughput, latency, acceptance, speedup."""
     from rich import box
     from rich.table import Table
@@ -224,16 +227,16 @@ def print_table(rows: list[dict]) -> None:
     f = lambda v, d=2: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
     pct = lambda v: "—" if v is None else f"{v:.0%}"  # noqa: E731
     for r in rows:
-        load = str(r["concurrency"]) if r["mode"] == "closed" else f"{r['rate']:g}/s"
-        if r["status"] != "ok":
-            t.add_row(r["deployment"], load, f"{r['temperature']:g}", "", "", "[red]failed[/]", "", "", "", "", "",
+        load = str(r.concurrency) if r.mode == "closed" else f"{r.rate:g}/s"
+        if not r.ok:
+            t.add_row(r.deployment, load, f"{r.temperature:g}", "", "", "[red]failed[/]", "", "", "", "", "",
                       "", "", "", "")
             continue
-        t.add_row(r["deployment"], load, f"{r['temperature']:g}", str(r["n_requests"]), str(r["n_errors"]),
-                  f(r["output_throughput"], 1), f(r["speedup_vs_baseline"]), f(r["ttft_p50"], 3),
-                  f(r["tpot_p50"] and 1000 * r["tpot_p50"], 1), f(r["e2el_p50"]), f(r["e2el_p99"]),
-                  "—" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.1%}", f(r["tau"]),
-                  pct(r.get("json_valid")), pct(r.get("agreement_vs_baseline")))
+        t.add_row(r.deployment, load, f"{r.temperature:g}", str(r.n_requests), str(r.n_errors),
+                  f(r.output_throughput, 1), f(r.speedup), f(r.ttft_p50, 3),
+                  f(r.tpot_p50 and 1000 * r.tpot_p50, 1), f(r.e2el_p50), f(r.e2el_p99),
+                  "—" if r.acceptance_rate is None else f"{r.acceptance_rate:.1%}", f(r.tau),
+                  pct(r.json_valid), pct(r.agreement_vs_baseline))
     console.print(t)
 
 

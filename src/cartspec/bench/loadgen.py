@@ -26,13 +26,13 @@ import httpx
 
 from ..serving.client import auth_headers, chat_body
 from .metrics import scrape, stats_from_responses
-from .results import RequestRecord, SpecStats
+from ..results import AcceptanceStats, RequestRecord
 
 Clock = Callable[[], float]
 SPEC_KEYS = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "mean_acceptance_length",
              "draft_acceptance_rate",
              # per verify step (``--per-request-spec-decode-metrics detailed``): acceptance per token class
-             # in the report (report/classes.py) places each step on the reply's tokens
+             # in the report (analysis/classes.py) places each step on the reply's tokens
              "per_step_accepted", "per_step_drafted")
 
 
@@ -67,7 +67,7 @@ class LoadConfig:
 class LoadResult:
     records: list[RequestRecord]
     wall_s: float
-    spec: SpecStats | None
+    acceptance: AcceptanceStats | None
     n_warmup: int = 0
 
 
@@ -99,7 +99,7 @@ def record_from_events(req_id: str, t_start: float, content_times: Sequence[floa
     return RequestRecord(id=req_id, ttft=ttft, e2el=e2el if error is None else (t_end - t_start), itl=itl,
                          output_tokens=out_tokens, prompt_tokens=int(usage.get("prompt_tokens", 0)) if usage else 0,
                          chunks=len(content_times), usage_reported=usage is not None, error=error,
-                         status=status, spec=spec, text=text)
+                         status=status, request_spec_metrics=spec, text=text)
 
 
 async def stream_chat(http: httpx.AsyncClient, model: str, req: ChatRequest, temperature: float = 0.0,
@@ -250,11 +250,11 @@ async def run_load(base_url: str, model: str, requests: Sequence[ChatRequest], c
             records, wall = await open_loop(sender(0), requests, cfg.rate, cfg.n_requests, cfg.duration_s,
                                             cfg.seed, on_done)
         after = await scrape(http, base_url) if metrics else None
-    spec = (after - before).stats() if before is not None and after is not None else None
-    if spec is None:
-        spec = stats_from_responses([r.spec for r in records if r.spec])
+    acceptance = (after - before).stats() if before is not None and after is not None else None
+    if acceptance is None:
+        acceptance = stats_from_responses([r.request_spec_metrics for r in records if r.request_spec_metrics])
     records.sort(key=lambda r: r.start)
-    return LoadResult(records=records, wall_s=wall, spec=spec, n_warmup=cfg.warmup)
+    return LoadResult(records=records, wall_s=wall, acceptance=acceptance, n_warmup=cfg.warmup)
 
 
 def chat_requests(reqs: Iterable[Any], max_tokens: int, structured: bool = False) -> list[ChatRequest]:

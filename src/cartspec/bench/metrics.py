@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .results import SpecStats
+from ..results import AcceptanceStats
 
 DRAFTS = "vllm:spec_decode_num_drafts"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
@@ -80,13 +80,13 @@ class SpecCounters:
                             {p: self.per_pos.get(p, 0.0) - before.per_pos.get(p, 0.0) for p in positions},
                             self.present or before.present)
 
-    def stats(self) -> SpecStats | None:
+    def stats(self) -> AcceptanceStats | None:
         """Acceptance over the interval; None when the server does not speculate."""
         if not self.present or self.drafts <= 0:
             return None
         n = max(self.per_pos) + 1 if self.per_pos else 0
-        return SpecStats(drafts=self.drafts, draft_tokens=self.draft_tokens, accepted=self.accepted,
-                         accepted_per_pos=[self.per_pos.get(i, 0.0) for i in range(n)], source="metrics")
+        return AcceptanceStats(steps=self.drafts, drafted=self.draft_tokens, accepted=self.accepted,
+                               per_position=[self.per_pos.get(i, 0.0) for i in range(n)], source="metrics")
 
 
 async def scrape(http: httpx.AsyncClient, base_url: str) -> SpecCounters | None:
@@ -105,13 +105,8 @@ async def scrape(http: httpx.AsyncClient, base_url: str) -> SpecCounters | None:
         return None
 
 
-def stats_from_responses(specs: list[dict]) -> SpecStats | None:
-    """Fallback when ``/metrics`` is unavailable: vLLM's per-request speculative metrics, summed."""
-    specs = [s for s in specs if s]
-    if not specs:
-        return None
-    drafts = sum(s.get("num_spec_steps", 0) for s in specs)
-    if not drafts:
-        return None
-    return SpecStats(drafts=drafts, draft_tokens=sum(s.get("num_draft_tokens", 0) for s in specs),
-                     accepted=sum(s.get("num_accepted_draft_tokens", 0) for s in specs), source="responses")
+def stats_from_responses(metrics: list[dict | None]) -> AcceptanceStats | None:
+    """Fallback when ``/metrics`` is unavailable: vLLM's per-request speculative metrics, summed;
+    None when no reply carried a drafting step."""
+    pooled = AcceptanceStats.pooled(AcceptanceStats.from_vllm(m) for m in metrics if m)
+    return pooled if pooled.steps else None

@@ -21,8 +21,8 @@ from ..serving.spec import DeploymentSpec
 from .plan import (SweepPlan, baseline, head_available, parse_deployment, preset,  # noqa: F401 (re-exported)
                    spec_deployment)
 from .loadgen import ChatRequest, LoadConfig, chat_requests, run_load
-from .results import (DeploymentInfo, Machine, PointConfig, PointResult, append_result, finished_keys,
-                      load_results, now_iso)
+from ..results import (DeploymentInfo, Invocation, Machine, PointConfig, PointResult, RunManifest, append_result,
+                       finished_keys, load_results, now_iso)
 
 # --- request sets -------------------------------------------------------------
 
@@ -84,21 +84,20 @@ class _NestedReporter(SilentReporter):
 
 
 def write_run_file(out: Path, plan: SweepPlan, machine: Machine, api_key_env: str | None = None) -> None:
-    path = out / "run.json"
-    prev = json.loads(path.read_text()) if path.exists() else {}
-    runs = prev.get("invocations", [])
+    """Record this invocation in ``run.json`` (the plan and machine are this invocation's)."""
+    prev = RunManifest.load(out)
     # the variable's name tells a rerun where the key came from; the key itself is never written
-    runs.append({"started_at": now_iso(), **({"server_api_key_env": api_key_env} if api_key_env else {})})
-    path.write_text(json.dumps({"plan": plan.model_dump(mode="json"), "machine": machine.model_dump(mode="json"),
-                                "created_at": prev.get("created_at", now_iso()), "invocations": runs}, indent=2))
+    invocations = [*prev.invocations, Invocation(started_at=now_iso(), server_api_key_env=api_key_env)]
+    RunManifest(plan=plan.model_dump(mode="json"), machine=machine, created_at=prev.created_at or now_iso(),
+                invocations=invocations).save(out)
 
 
 def finish_run_file(out: Path, seconds: float, measured: int, skipped: int) -> None:
-    path = out / "run.json"
-    data = json.loads(path.read_text())
-    data["invocations"][-1].update(finished_at=now_iso(), seconds=round(seconds, 1), points_measured=measured,
-                                   points_skipped=skipped)
-    path.write_text(json.dumps(data, indent=2))
+    manifest = RunManifest.load(out)
+    last = manifest.invocations[-1]
+    last.finished_at, last.seconds = now_iso(), round(seconds, 1)
+    last.points_measured, last.points_skipped = measured, skipped
+    manifest.save(out)
 
 
 def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None,
@@ -269,7 +268,7 @@ def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Mach
                                   records=result.records, wall_s=result.wall_s, n_requests=len(result.records),
                                   n_errors=sum(1 for r in result.records if not r.ok))
     json_valid, exact = reply_quality(result.records, requests)
-    res = PointResult.measured(cfg, result.records, result.wall_s, result.spec, started_at=started,
+    res = PointResult.measured(cfg, result.records, result.wall_s, result.acceptance, started_at=started,
                                machine=machine, deployment=info, n_warmup=result.n_warmup,
                                json_valid=json_valid, exact_match=exact)
     if res.n_errors == res.n_requests:

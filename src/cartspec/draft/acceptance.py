@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..results import AcceptanceStats
 from ..task.data import Request, read_requests
 
 SPLIT_SIZES = {"train": 2400, "dev": 200, "test": 400}  # `cartspec data` defaults
@@ -112,19 +113,16 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
     classes = _classes_for(tok, reqs, outputs)
     missing = 0
     for c, cl in zip(results, classes):
-        s = c.spec or {}
+        s = c.request_spec_metrics or {}
         if "per_step_accepted" not in s and s.get("num_spec_steps", 0):
             missing += 1
         steps.append(steps_from_vllm(s.get("per_step_accepted", []), s.get("per_step_drafted", []), cl))
-    summary = summarize(steps, gamma, _count_classes(classes))
+    summary = summarize(steps, gamma, _count_classes(classes), source="responses")
     # vLLM's own per-request summary, aggregated, as a cross-check of the per-step arrays
-    n_steps = sum((c.spec or {}).get("num_spec_steps", 0) for c in results)
-    n_acc = sum((c.spec or {}).get("num_accepted_draft_tokens", 0) for c in results)
-    n_draft = sum((c.spec or {}).get("num_draft_tokens", 0) for c in results)
-    summary["engine_counts"] = {"num_spec_steps": n_steps, "num_accepted_draft_tokens": n_acc,
-                                "num_draft_tokens": n_draft,
-                                "tau": 1 + n_acc / n_steps if n_steps else 1.0,
-                                "acceptance_rate": n_acc / n_draft if n_draft else 0.0}
+    engine = AcceptanceStats.pooled(AcceptanceStats.from_vllm(c.request_spec_metrics) for c in results)
+    summary["engine_counts"] = {"num_spec_steps": engine.steps, "num_accepted_draft_tokens": engine.accepted,
+                                "num_draft_tokens": engine.drafted, "tau": engine.tau,
+                                "acceptance_rate": engine.rate}
     if method == "ngram":
         # n-gram steps without a match propose nothing and are not reported per step, so the
         # per-step counts cannot be placed on output tokens by counting; the proposer is
@@ -140,7 +138,7 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
     if method == "hybrid":
         summary["hybrid"] = sp.hybrid_config().__dict__
     out_tokens = sum(len(o) for o in outputs)
-    summary["replies"] = [{"id": r.id, "token_ids": list(o), "per_step_accepted": (c.spec or {}).get("per_step_accepted")}
+    summary["replies"] = [{"id": r.id, "token_ids": list(o), "per_step_accepted": (c.request_spec_metrics or {}).get("per_step_accepted")}
                           for r, o, c in zip(reqs, outputs, results)]
     return {**summary, "mode": "vllm", "method": method, "gamma": gamma, "target": str(model_dir),
             "head": str(head_dir) if head_dir else None, "n": len(reqs), "temperature": 0.0,
@@ -170,7 +168,7 @@ def _ngram_alignment(results, outputs, classes, gamma, spec) -> dict[str, Any]:
     _, steps = simulate_ngram(seqs, gamma, sp.prompt_lookup_min or 2, sp.prompt_lookup_max or 4, classes)
     agree = 0
     for c, st in zip(results, steps):
-        s = c.spec or {}
+        s = c.request_spec_metrics or {}
         agree += int([x.accepted for x in st] == list(s.get("per_step_accepted", [])))
     return {"by_class_aligned": summarize(steps, gamma)["by_class"], "replay_agrees_with_engine":
             f"{agree}/{len(results)} requests"}

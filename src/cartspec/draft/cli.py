@@ -116,13 +116,16 @@ def train(
     seed: int = typer.Option(0),
     enforce_eager: bool = typer.Option(False, help="vLLM without torch.compile when regenerating"),
     device: str = typer.Option("auto", help="feature capture and training: auto (cuda when available) | cpu | cuda"),
+    fsdp: bool = typer.Option(False, "--fsdp", help="under torchrun: shard the head, its gradients and optimiser "
+                                                    "state over the processes (FSDP2) instead of replicating it (DDP)"),
     replace_bundled: bool = typer.Option(False, "--replace-bundled",
                                          help="allow --out inside the bundled heads (maintainers only)"),
 ) -> None:
     """Regenerate the target's answers, capture its features, train the head (resumable), export it.
 
-    Under ``torchrun --nproc_per_node N`` the training runs data-parallel (DDP; gloo on CPU, nccl on CUDA):
-    rank 0 regenerates and captures the features, every rank trains on its share of each batch."""
+    Under ``torchrun --nproc_per_node N`` the training runs data-parallel (DDP, or FSDP2 with ``--fsdp``; gloo
+    on CPU, nccl on CUDA): rank 0 regenerates and captures the features, every rank trains on its share of
+    each batch."""
     import torch
     from transformers import AutoTokenizer
 
@@ -198,7 +201,8 @@ def train(
     log(f"features: {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens ({resp_tokens} response) in {fdir}")
 
     cfg = TrainConfig(ttt_steps=ttt_steps, lr=lr, batch_tokens=batch_tokens, epochs=epochs, steps=steps,
-                      draft_vocab_size=draft_vocab, save_every=save_every, seed=seed, max_minutes=max_minutes)
+                      draft_vocab_size=draft_vocab, save_every=save_every, seed=seed, max_minutes=max_minutes,
+                      fsdp=fsdp)
     data_key = fdir.name
     work = home() / "draft" / "runs" / f"{label}-{config_digest([str(out.resolve()), data_key])}"
     extra_vocab = [t for p in prompt_ids for t in p]
@@ -240,7 +244,7 @@ Built with
 - training-time test: k={ttt_steps} steps, weights 0.8^step, lr {lr} (cosine), {batch_tokens} tokens/batch,
   {summary['steps']} optimiser steps ({summary['steps_per_epoch']} per epoch){' — stopped early by --max-minutes' if summary['stopped_early'] else ''}
 - per-step accuracy (mean of the last 20 batches, vs the target's greedy token): {summary['acc_per_step_last20']}
-- trained on {dev}{f" with {world} processes (DDP)" if world > 1 else ""}
+- trained on {dev}{f" with {world} processes ({summary['sharding'].upper()})" if world > 1 else ""}
 - time on this machine ({torch.get_num_threads()} threads): features {t_feat / 60:.1f} min (incl. regeneration,
   cached on reruns), training {summary['seconds'] / 60:.1f} min, total {total_s / 60:.1f} min
 - training log (loss and accuracy per step, every batch): `training_log.json`
@@ -322,8 +326,13 @@ def acceptance(
     out.write_text(json.dumps(res, indent=2) + "\n")
     pp = " ".join(f"{x:.3f}" for x in res["per_position"])
     console.print(f"{res['mode']} {method}{'/' + head if head else ''} γ={gamma} n={res['n']}: "
-                  f"τ={res['tau']:.3f} acceptance={res['acceptance_rate']:.3f} per-position [{pp}]")
+                  f"τ={_fig(res['tau'])} acceptance={_fig(res['acceptance_rate'])} per-position [{pp}]")
     for c, v in res["by_class"].items():
         if v["reached"]:
             console.print(f"  {c:22s} {v['accepted']:6d}/{v['reached']:<6d} = {v['acceptance']:.3f}")
     console.print(f"-> {out}")
+
+
+def _fig(value: float | None) -> str:
+    """A figure to three decimals; "—" when it is undefined (nothing was drafted)."""
+    return "—" if value is None else f"{value:.3f}"

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..results import AcceptanceStats
 from .classes import CLASSES
 from .features import FeatureSet
 from .head import Eagle3Head
@@ -35,8 +36,11 @@ class Step:
 
 
 def summarize(steps_per_request: Sequence[Sequence[Step]], gamma: int, tokens_by_class: dict[str, int] | None = None,
-              ) -> dict[str, Any]:
+              source: str = "simulated") -> dict[str, Any]:
     """τ, acceptance rate, per-position and by-class acceptance from verify steps.
+
+    The counts are an ``AcceptanceStats`` (``acceptance``), so τ and the rate are defined as everywhere
+    else: None when no step drafted.
 
     ``by_class[c]``: ``reached`` = drafts of class ``c`` the verifier looked at
     (every draft up to and including the first rejected one), ``accepted`` =
@@ -62,10 +66,12 @@ def summarize(steps_per_request: Sequence[Sequence[Step]], gamma: int, tokens_by
     by_class = {c: {**v, "acceptance": (v["accepted"] / v["reached"]) if v["reached"] else None,
                     **({"tokens": tokens_by_class.get(c, 0)} if tokens_by_class is not None else {})}
                 for c, v in by.items()}
+    stats = AcceptanceStats(drafted=n_draft, accepted=n_acc, steps=n_steps, per_position=per_pos, source=source)
     return {
-        "tau": 1.0 + n_acc / n_steps if n_steps else 1.0,
-        "acceptance_rate": n_acc / n_draft if n_draft else 0.0,
-        "per_position": [x / n_steps if n_steps else 0.0 for x in per_pos],
+        "tau": stats.tau,
+        "acceptance_rate": stats.rate,
+        "per_position": stats.per_position_rate,
+        "acceptance": stats.model_dump(),
         "by_class": by_class,
         "verify_steps": n_steps,
         "accepted_tokens": n_acc,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from pydantic import BaseModel, Field
 
-from ..bench.results import PointResult, load_results, now_iso
+from ..results import PointResult, load_results, now_iso
 from .paired import METRICS, TEST_NAME, FieldDelta, PairedTest, field_deltas, metric_values, paired_test
 
 if TYPE_CHECKING:

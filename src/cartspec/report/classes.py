@@ -1,129 +1,33 @@
-"""Acceptance per token class for every speculative deployment of a study.
-
-A study record keeps the reply's text and vLLM's per-request speculative metrics,
-including, with ``--per-request-spec-decode-metrics detailed`` (every server
-cartspec starts), the accepted and drafted counts of each verify step
-(``per_step_accepted`` / ``per_step_drafted``). The reply's tokens are recovered by
-re-tokenising the text with the target's tokenizer (plus the end-of-turn token
-when the reply stopped on it); a reply is used only when that gives exactly the
-number of output tokens vLLM reported, so a step is never placed on the wrong
-token. The classes (``draft.classes``: JSON structure, keys, values copied from
-the request, values not in it, free text) and the placement of steps
-(``draft.simulate.steps_from_vllm``) are those of ``cartspec draft acceptance``.
-A reply that re-tokenises differently is counted in ``replies_skipped``.
-"""
+"""The report's table of acceptance per token class (rows from ``analysis.classes``)."""
 
 from __future__ import annotations
 
-import functools
-from collections import defaultdict
-from typing import Any
+import html
 
-from ..bench.results import PointResult
+from ..analysis.classes import ClassAcceptance
 from ..draft.classes import CLASSES
 
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model)
+NAMES = {"json_structure": "JSON structure", "json_key": "keys", "value_copied": "values copied from the request",
+         "value_not_in_request": "values not in the request", "free_text": "free text"}
 
 
-def _model_dir(r: PointResult) -> str | None:
-    from pathlib import Path
-
-    d = r.deployment
-    if d is not None and d.versions.get("model_dir") and Path(d.versions["model_dir"]).is_dir():
-        return d.versions["model_dir"]
-    model = (r.config.spec or {}).get("model")
-    if model is None:
-        return None
-    try:
-        from ..model.registry import resolve_model
-
-        return str(resolve_model(model))
-    except Exception:
-        return None
-
-
-@functools.lru_cache(maxsize=8)
-def _requests(request_set: str, n: int) -> dict[str, Any]:
-    from ..bench.sweep import load_request_set
-
-    return {c.id: c.source for c in load_request_set(request_set, n, 1) if c.source is not None}
-
-
-def reply_ids(tok, text: str, output_tokens: int) -> list[int] | None:
-    """The reply's token ids, re-tokenised; None unless they number ``output_tokens``."""
-    ids = tok(text, add_special_tokens=False).input_ids
-    if len(ids) == output_tokens - 1 and tok.eos_token_id is not None:
-        ids = ids + [tok.eos_token_id]
-    return ids if len(ids) == output_tokens else None
-
-
-def acceptance_by_class(results: list[PointResult]) -> list[dict[str, Any]]:
-    """One row per speculative deployment, temperature and request set (loads pooled): τ, acceptance
-    and acceptance per token class from the per-step counts; empty where none were recorded."""
-    from ..draft.classes import request_text, token_classes
-    from ..draft.simulate import steps_from_vllm, summarize
-
-    groups: dict[tuple, list[PointResult]] = defaultdict(list)
-    for r in results:
-        if r.status == "ok" and r.config.method != "none":
-            groups[(r.config.deployment, r.config.temperature, r.config.request_set)].append(r)
-    rows = []
-    for (dep, temp, rs), points in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
-        recs = [(p, x) for p in points for x in p.records
-                if x.ok and x.text is not None and x.spec and x.spec.get("per_step_accepted") is not None]
-        if not recs:
-            continue
-        model = _model_dir(points[0])
-        if model is None:
-            continue
-        tok = _tokenizer(model)
-        n_req = max(p.config.n_requests + p.config.warmup for p in points)
-        by_id = _requests(rs, n_req)
-        steps, skipped, gamma = [], 0, 0
-        for p, x in recs:
-            req = by_id.get(x.id)
-            ids = reply_ids(tok, x.text, x.output_tokens) if req is not None else None
-            if ids is None:
-                skipped += 1
-                continue
-            drafted = x.spec.get("per_step_drafted") or []
-            gamma = max([gamma, *drafted])
-            steps.append(steps_from_vllm(x.spec["per_step_accepted"], drafted, token_classes(tok, ids, request_text(req))))
-        if not steps:
-            continue
-        s = summarize(steps, max(gamma, 1))
-        rows.append({"deployment": dep, "temperature": temp, "request_set": rs, "tau": s["tau"],
-                     "acceptance_rate": s["acceptance_rate"], "verify_steps": s["verify_steps"],
-                     "replies": len(steps), "replies_skipped": skipped,
-                     "by_class": {c: s["by_class"][c]["acceptance"] for c in CLASSES},
-                     "reached": {c: s["by_class"][c]["reached"] for c in CLASSES}})
-    return rows
-
-
-def by_class_html(rows: list[dict[str, Any]]) -> str:
+def by_class_html(rows: list[ClassAcceptance]) -> str:
     """The report's table (an HTML fragment), or "" without rows."""
-    import html
-
     if not rows:
         return ""
-    names = {"json_structure": "JSON structure", "json_key": "keys", "value_copied": "values copied from the request",
-             "value_not_in_request": "values not in the request", "free_text": "free text"}
-    head = "".join(f"<th>{names[c]}</th>" for c in CLASSES)
+    head = "".join(f"<th>{NAMES[c]}</th>" for c in CLASSES)
     body = []
     for r in rows:
-        skipped = f" (+{r['replies_skipped']} skipped)" if r["replies_skipped"] else ""
-        cells = "".join("<td>–</td>" if r["by_class"][c] is None else
-                        f'<td title="{r["reached"][c]} drafts reached">{100 * r["by_class"][c]:.0f}%</td>'
+        skipped = f" (+{r.replies_skipped} skipped)" if r.replies_skipped else ""
+        cells = "".join("<td>–</td>" if r.by_class[c] is None else
+                        f'<td title="{r.reached[c]} drafts reached">{100 * r.by_class[c]:.0f}%</td>'
                         for c in CLASSES)
-        body.append(f'<tr><td class="l">{html.escape(r["deployment"])}</td><td>{r["temperature"]:g}</td>'
-                    f'<td class="l">{html.escape(r["request_set"])}</td><td>{r["tau"]:.2f}</td>'
-                    f'<td>{100 * r["acceptance_rate"]:.1f}%</td>{cells}'
-                    f'<td>{r["replies"]}{skipped}</td></tr>')
+        tau = "–" if r.tau is None else f"{r.tau:.2f}"
+        rate = "–" if r.acceptance_rate is None else f"{100 * r.acceptance_rate:.1f}%"
+        body.append(f'<tr><td class="l">{html.escape(r.deployment)}</td><td>{r.temperature:g}</td>'
+                    f'<td class="l">{html.escape(r.request_set)}</td><td>{tau}</td>'
+                    f'<td>{rate}</td>{cells}'
+                    f'<td>{r.replies}{skipped}</td></tr>')
     return ("<h2>Acceptance per token class</h2>\n<p>From vLLM's per-request, per-step accepted/drafted counts, "
             "placed on each reply's tokens (re-tokenised; a reply whose token count differs from vLLM's is skipped). "
             "Acceptance of a class: accepted drafts of that class / drafts the verifier reached (up to and including "

@@ -59,7 +59,7 @@ class Completion:
     output_tokens: int = 0
     finish_reason: str | None = None
     seconds: float = 0.0
-    spec: dict[str, Any] | None = None  # vLLM per-request speculative metrics, when enabled
+    request_spec_metrics: dict[str, Any] | None = None  # vLLM per-request speculative metrics, when enabled
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -96,7 +96,7 @@ class ChatClient:
                           output_tokens=usage.get("completion_tokens", 0),
                           finish_reason=choice.get("finish_reason"),
                           seconds=time.perf_counter() - t0,
-                          spec=metrics.get("speculative_decoding"), raw=data)
+                          request_spec_metrics=metrics.get("speculative_decoding"), raw=data)
 
     async def metrics_text(self) -> str:
         r = await self._http.get("/metrics")

@@ -31,7 +31,7 @@ from .client import HEALTH_PATHS, auth_headers
 from .spec import DeploymentSpec, Speculative
 
 if TYPE_CHECKING:
-    from ..bench.results import DeploymentInfo
+    from ..results import DeploymentInfo
     from .server import VllmServer
 
 # What a launcher starts instead of ``VllmServer``: a context manager (spec, log_dir) that yields a
@@ -157,11 +157,12 @@ class Endpoint:
             return False
 
     def describe(self) -> "DeploymentInfo":
-        from ..bench.results import DeploymentInfo
+        from ..results import DeploymentInfo
 
         sp = self.spec.speculative if self.spec else Speculative()
         return DeploymentInfo(label=self.label, method=sp.method, gamma=sp.num_speculative_tokens, head=sp.model,
-                              model=self.served_name, spec=self.spec.model_dump(mode="json") if self.spec else {},
+                              model=self.served_name,
+                              deployment_spec=self.spec.model_dump(mode="json") if self.spec else {},
                               url=self.url, versions=dict(self.versions))
 
 
@@ -185,7 +186,7 @@ class VllmEndpoint(Endpoint):
         return self._versions
 
     def describe(self) -> "DeploymentInfo":
-        from ..bench.results import DeploymentInfo
+        from ..results import DeploymentInfo
         from ..paths import dir_digest
 
         info = self.server.info()
@@ -196,7 +197,8 @@ class VllmEndpoint(Endpoint):
                 info.versions[key.replace("_dir", "_digest")] = dir_digest(path)[:16]
         return DeploymentInfo(label=self.label, method=sp.method, gamma=sp.num_speculative_tokens,
                               head=info.versions.get("head_dir") or None, model=info.versions.get("model_dir", ""),
-                              spec=info.spec, url=info.url, versions=info.versions, log_path=info.log_path)
+                              deployment_spec=info.spec, url=info.url, versions=info.versions,
+                              log_path=info.log_path)
 
     def died_reason(self) -> str:
         from .server import read_log, root_cause

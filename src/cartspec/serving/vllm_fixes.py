@@ -35,6 +35,8 @@ same draws as the plain generator, and the discarded one is undone, as on a GPU.
 
 Both fixes are applied by an import hook (``vllm_site/sitecustomize.py``), so
 they reach the API server and the engine-core process, however they are started.
+The same hook wraps the runner's drafting for the hybrid drafter (``hybrid.py``) and
+for schedules' γ = 0 steps (``idle_drafter.py``).
 """
 
 from __future__ import annotations
@@ -155,11 +157,15 @@ def patch_runner(mod) -> bool:
 
 
 def patch_runner_all(mod) -> bool:
-    """The runner's fixes, then the hybrid drafter (``hybrid.py``; only where ``CARTSPEC_HYBRID`` is set)."""
+    """The runner's fixes, then the hybrid drafter (``hybrid.py``; only where ``CARTSPEC_HYBRID`` is set),
+    then γ = 0 steps without a drafter pass (``idle_drafter.py``; outermost, so it also skips the hybrid)."""
     from .hybrid import patch_runner as patch_hybrid
+    from .idle_drafter import patch_runner as patch_idle
 
     fixed = patch_runner(mod)
-    return patch_hybrid(mod) or fixed
+    hybrid = patch_hybrid(mod)
+    idle = patch_idle(mod)
+    return fixed or hybrid or idle
 
 
 PATCHES = {TARGET_MODULE: patch_module, RUNNER_MODULE: patch_runner_all}

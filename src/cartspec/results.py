@@ -17,16 +17,27 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
-from ..paths import config_digest
-from ..task.data import append_jsonl, read_jsonl
+from .paths import config_digest
+from .task.data import append_jsonl, read_jsonl
 
 SCHEMA_VERSION = 1
 
 
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def load_label(mode: str, concurrency: int | None, rate: float | None) -> str:
+    """The load of a point as text: ``c=N`` (closed loop) or ``rate=R/s`` (open loop)."""
+    return f"c={concurrency}" if mode == "closed" else f"rate={rate:g}/s"
+
+
+def load_value(mode: str, concurrency: int | None, rate: float | None) -> float | None:
+    """The load of a point as a number: requests in flight (closed loop) or arrivals per second (open loop)."""
+    value = concurrency if mode == "closed" else rate
+    return None if value is None else float(value)
 
 
 class Machine(BaseModel):
@@ -41,7 +52,7 @@ class Machine(BaseModel):
 
     @classmethod
     def here(cls) -> "Machine":
-        from ..serving.engine import engine_versions
+        from .serving.engine import engine_versions
 
         versions = dict(engine_versions())
         try:
@@ -53,14 +64,20 @@ class Machine(BaseModel):
 
 
 class DeploymentInfo(BaseModel):
-    """What served a point: the spec, resolved model and head, engine versions."""
+    """What served a point: the deployment spec, resolved model and head, engine versions.
+
+    ``deployment_spec`` was written as ``spec`` before; both names load."""
+
+    model_config = ConfigDict(populate_by_name=True)
 
     label: str
     method: str
     gamma: int | None = None
     head: str | None = None
     model: str
-    spec: dict[str, Any] = Field(default_factory=dict)
+    deployment_spec: dict[str, Any] = Field(default_factory=dict,
+                                            validation_alias=AliasChoices("deployment_spec", "spec"),
+                                            description="the DeploymentSpec, as JSON ({} for an external endpoint)")
     url: str = ""
     versions: dict[str, str] = Field(default_factory=dict)
     log_path: str = ""
@@ -100,34 +117,93 @@ class PointConfig(BaseModel):
 
     @property
     def load(self) -> str:
-        return f"c={self.concurrency}" if self.mode == "closed" else f"rate={self.rate:g}/s"
-
-
-class SpecStats(BaseModel):
-    """Counter deltas over one point, from vLLM's ``/metrics`` (or summed per-request metrics)."""
-
-    drafts: float = 0.0
-    draft_tokens: float = 0.0
-    accepted: float = 0.0
-    accepted_per_pos: list[float] = Field(default_factory=list)
-    source: Literal["metrics", "responses"] = "metrics"
+        """``c=N`` (closed loop) or ``rate=R/s`` (open loop)."""
+        return load_label(self.mode, self.concurrency, self.rate)
 
     @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted / self.draft_tokens if self.draft_tokens else None
+    def load_value(self) -> float | None:
+        """Concurrency (closed loop) or arrival rate (open loop): the x axis of the study."""
+        return load_value(self.mode, self.concurrency, self.rate)
+
+
+class AcceptanceStats(BaseModel):
+    """Draft acceptance counts over some verification steps, and the figures defined on them.
+
+    ``drafted``: draft tokens proposed; ``accepted``: of those, accepted by the target; ``steps``:
+    verification steps that carried a draft; ``per_position[i]``: steps whose draft token i was accepted.
+    ``rate`` is accepted / drafted and ``tau`` (acceptance length, counting the bonus token) is
+    1 + accepted / steps; both are None when there is nothing to divide by: no draft is no observation,
+    never a rate of 0. Results written before this model carried the vLLM metric names
+    (``draft_tokens``, ``drafts``, ``accepted_per_pos``); they validate into the same fields.
+    """
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    drafted: int = Field(0, ge=0, validation_alias=AliasChoices("drafted", "draft_tokens"))
+    accepted: int = Field(0, ge=0)
+    steps: int = Field(0, ge=0, validation_alias=AliasChoices("steps", "drafts"))
+    per_position: list[int] = Field(default_factory=list,
+                                    validation_alias=AliasChoices("per_position", "accepted_per_pos"))
+    source: Literal["metrics", "responses", "simulated", "offline"] = Field(
+        "metrics", description="vLLM's /metrics counters, its per-request metrics, a simulation, or offline "
+                               "drafting")
+
+    @field_validator("drafted", "accepted", "steps", mode="before")
+    @classmethod
+    def _count(cls, v: Any) -> Any:
+        return int(round(v)) if isinstance(v, float) else v
+
+    @field_validator("per_position", mode="before")
+    @classmethod
+    def _counts(cls, v: Any) -> Any:
+        return [int(round(x)) if isinstance(x, float) else x for x in v] if v is not None else []
+
+    @property
+    def rate(self) -> float | None:
+        """Accepted / drafted tokens; None when nothing was drafted."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def tau(self) -> float | None:
-        """Acceptance length: 1 + accepted / drafts (counts the bonus token)."""
-        return 1.0 + self.accepted / self.drafts if self.drafts else None
+        """Acceptance length: 1 + accepted / steps; None when no step drafted."""
+        return 1.0 + self.accepted / self.steps if self.steps else None
 
     @property
-    def per_position(self) -> list[float]:
-        return [a / self.drafts for a in self.accepted_per_pos] if self.drafts else []
+    def per_position_rate(self) -> list[float]:
+        """Per draft position: the share of steps whose token there was accepted; empty without steps."""
+        return [a / self.steps for a in self.per_position] if self.steps else []
+
+    def __add__(self, other: "AcceptanceStats") -> "AcceptanceStats":
+        n = max(len(self.per_position), len(other.per_position))
+        pos = [(self.per_position[i] if i < len(self.per_position) else 0)
+               + (other.per_position[i] if i < len(other.per_position) else 0) for i in range(n)]
+        return AcceptanceStats(drafted=self.drafted + other.drafted, accepted=self.accepted + other.accepted,
+                               steps=self.steps + other.steps, per_position=pos,
+                               source=self.source if self.source == other.source else "responses")
+
+    @classmethod
+    def pooled(cls, stats: Iterable["AcceptanceStats"], source: str = "responses") -> "AcceptanceStats":
+        """Counts summed: the pooled rate weighs each part by its drafted tokens."""
+        out = cls(source=source)
+        for s in stats:
+            out = out + s
+        out.source = source
+        return out
+
+    @classmethod
+    def from_vllm(cls, metrics: dict[str, Any] | None) -> "AcceptanceStats":
+        """One reply's counts from vLLM's per-request ``speculative_decoding`` metrics (empty when None)."""
+        m = metrics or {}
+        return cls(steps=m.get("num_spec_steps", 0) or 0, drafted=m.get("num_draft_tokens", 0) or 0,
+                   accepted=m.get("num_accepted_draft_tokens", 0) or 0, source="responses")
 
 
 class RequestRecord(BaseModel):
-    """One measured request. Times in seconds; ``start`` is relative to the point's start."""
+    """One measured request. Times in seconds; ``start`` is relative to the point's start.
+
+    ``request_spec_metrics`` was written as ``spec`` before; both names load."""
+
+    model_config = ConfigDict(populate_by_name=True)
 
     id: str = ""
     sample: int = Field(0, description="which of the point's replies to this request (0..samples-1); "
@@ -142,7 +218,9 @@ class RequestRecord(BaseModel):
     usage_reported: bool = False
     error: str | None = None
     status: int = 0
-    spec: dict[str, Any] | None = Field(None, description="vLLM per-request speculative metrics (summary)")
+    request_spec_metrics: dict[str, Any] | None = Field(
+        None, validation_alias=AliasChoices("request_spec_metrics", "spec"),
+        description="vLLM's per-request speculative metrics (``speculative_decoding`` of the reply)")
     text: str | None = Field(None, description="the reply as streamed")
     task: str | None = Field(None, description="search | support: how the reply is parsed")
     exact: bool | None = Field(None, description="the reply matches the request's gold answer in every field "
@@ -171,6 +249,12 @@ def _mean(values: Iterable[float | None]) -> float | None:
 
 
 class PointResult(BaseModel):
+    """One measured (or failed) point: its configuration, aggregates and request records.
+
+    ``acceptance`` was written as ``spec`` (with vLLM's counter names) before; both load."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
     schema_version: int = SCHEMA_VERSION
     key: str
     config: PointConfig
@@ -199,18 +283,18 @@ class PointResult(BaseModel):
     e2el_mean: float | None = None
     json_valid: float | None = None  # share of answered requests whose reply parses as JSON
     exact_match: float | None = None  # share of answered requests with gold whose reply equals it, all fields
-    spec: SpecStats | None = None
+    acceptance: AcceptanceStats | None = Field(None, validation_alias=AliasChoices("acceptance", "spec"))
     deployment: DeploymentInfo | None = None
     machine: Machine | None = None
     records: list[RequestRecord] = Field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.spec.acceptance_rate if self.spec else None
+        return self.acceptance.rate if self.acceptance else None
 
     @property
     def tau(self) -> float | None:
-        return self.spec.tau if self.spec else None
+        return self.acceptance.tau if self.acceptance else None
 
     @classmethod
     def failed(cls, config: PointConfig, reason: str, **kw: Any) -> "PointResult":
@@ -219,7 +303,7 @@ class PointResult(BaseModel):
 
     @classmethod
     def measured(cls, config: PointConfig, records: list[RequestRecord], wall_s: float,
-                 spec: SpecStats | None = None, **kw: Any) -> "PointResult":
+                 acceptance: AcceptanceStats | None = None, **kw: Any) -> "PointResult":
         ok = [r for r in records if r.ok]
         tokens = sum(r.output_tokens for r in ok)
         slo = config.slo_e2el_s
@@ -237,7 +321,58 @@ class PointResult(BaseModel):
             itl_p50=_pct(itls, 50), itl_p99=_pct(itls, 99),
             e2el_p50=_pct((r.e2el for r in ok), 50), e2el_p90=_pct((r.e2el for r in ok), 90),
             e2el_p99=_pct((r.e2el for r in ok), 99), e2el_mean=_mean(r.e2el for r in ok),
-            spec=spec, records=records, **kw)
+            acceptance=acceptance, records=records, **kw)
+
+
+# --- the run manifest -----------------------------------------------------------
+
+RUN_FILE = "run.json"
+
+
+class Invocation(BaseModel):
+    """One ``cartspec study`` over a run directory (a resumed run has several)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    started_at: str = ""
+    finished_at: str | None = None
+    seconds: float | None = None
+    points_measured: int | None = None
+    points_skipped: int | None = None
+    server_api_key_env: str | None = Field(None, description="the variable that held the endpoint's API key "
+                                                             "(the key itself is never written)")
+
+
+class RunManifest(BaseModel):
+    """``run.json``: the plan a run directory was measured with, the machine, and every invocation.
+
+    Every field is optional and unknown fields are kept, so any earlier run.json loads."""
+
+    model_config = ConfigDict(extra="allow")
+
+    plan: dict[str, Any] = Field(default_factory=dict, description="the SweepPlan, as JSON")
+    machine: Machine | dict[str, Any] | None = Field(None, description="a dict where an old run.json's machine "
+                                                                     "lacks fields Machine needs")
+    created_at: str = ""
+    invocations: list[Invocation] = Field(default_factory=list)
+
+    @property
+    def preset(self) -> str | None:
+        return self.plan.get("name")
+
+    @property
+    def seconds(self) -> float:
+        """Sweep time over all invocations (unfinished ones count 0)."""
+        return sum(i.seconds or 0 for i in self.invocations)
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "RunManifest":
+        """The run's manifest; an empty one when the directory has no run.json."""
+        path = Path(run_dir) / RUN_FILE
+        return cls.model_validate_json(path.read_text()) if path.exists() else cls()
+
+    def save(self, run_dir: str | Path) -> None:
+        (Path(run_dir) / RUN_FILE).write_text(self.model_dump_json(indent=2, exclude_none=True))
 
 
 # --- the results file ---------------------------------------------------------

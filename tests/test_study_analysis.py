@@ -1,0 +1,131 @@
+"""The study's analysis layer against a results file written before it existed.
+
+``tests/data/study_v1`` holds a cut-down paper run (``make_fixture.py``) as the version before the typed
+analysis wrote it, and ``summary.before.json``: the summary that version's report built from it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "data" / "study_v1"
+
+
+def _missing_or_changed(before, after, path="") -> list[str]:
+    """Every key of ``before`` must be in ``after`` with the same value (new keys may be added)."""
+    if isinstance(before, dict):
+        if not isinstance(after, dict):
+            return [f"{path}: {type(after).__name__} instead of an object"]
+        out = []
+        for k, v in before.items():
+            if k not in after:
+                out.append(f"{path}.{k}: missing")
+            else:
+                out.extend(_missing_or_changed(v, after[k], f"{path}.{k}"))
+        return out
+    if isinstance(before, list):
+        if not isinstance(after, list) or len(after) != len(before):
+            return [f"{path}: {len(before)} items before, {after if not isinstance(after, list) else len(after)} now"]
+        return [d for i, (a, b) in enumerate(zip(before, after)) for d in _missing_or_changed(a, b, f"{path}[{i}]")]
+    return [] if before == after else [f"{path}: {before!r} before, {after!r} now"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """The fixture run, copied (the report writes beside the results), reported once."""
+    from cartspec.report.build import build_report
+
+    d = tmp_path_factory.mktemp("study_v1")
+    for name in ("results.jsonl", "run.json", "quality.json"):
+        shutil.copy(DATA / name, d / name)
+    build_report(d)
+    return d
+
+
+def test_summary_figures_are_those_of_the_version_before(run_dir):
+    before = json.loads((DATA / "summary.before.json").read_text())
+    after = json.loads((run_dir / "summary.json").read_text())
+    before["run"].pop("dir"), after["run"].pop("dir")  # where the copy was reported
+    assert _missing_or_changed(before, after) == []
+
+
+def test_summary_json_is_the_analysis_and_loads_back(run_dir):
+    from cartspec.analysis.study import StudyAnalysis
+
+    text = (run_dir / "summary.json").read_text()
+    loaded = StudyAnalysis.model_validate_json(text)
+    assert loaded.model_dump(mode="json") == json.loads(text)
+    assert StudyAnalysis.model_validate_json(loaded.model_dump_json()) == loaded
+    assert StudyAnalysis.load(run_dir) == loaded
+
+
+def test_typed_rows_carry_load_and_speedup(run_dir):
+    from cartspec.analysis.study import StudyAnalysis
+
+    a = StudyAnalysis.load(run_dir)
+    by = {(r.deployment, r.load, r.temperature): r for r in a.points}
+    g3, base = by[("eagle3-domain-g3", "c=8", 0.0)], by[("baseline", "c=8", 0.0)]
+    assert g3.load_value == 8.0 and g3.speedup == pytest.approx(g3.output_throughput / base.output_throughput)
+    assert base.speedup == 1.0 and by[("eagle3-domain-g5", "c=1", 0.0)].status == "failed"
+    assert {c.deployment for c in a.capacity} == {"baseline", "eagle3-domain-g3", "eagle3-domain-auto"}
+    assert a.cost_model.fitted and len(a.adaptive) == 4 and len(a.quality_tests) == 4
+
+
+def test_an_old_results_file_loads_into_the_new_names():
+    """The fixture's lines carry the names written before the refactor: ``spec`` with vLLM's counter names on
+    a point, ``spec`` for vLLM's per-request metrics on a record."""
+    from cartspec.results import AcceptanceStats, load_results
+
+    raw = [json.loads(line) for line in (DATA / "results.jsonl").read_text().splitlines()]
+    old = next(r for r in raw if r["config"]["method"] == "eagle3" and r["status"] == "ok")
+    assert set(old["spec"]) == {"drafts", "draft_tokens", "accepted", "accepted_per_pos", "source"}
+    assert "spec" in old["records"][0] and "acceptance" not in old
+    point = next(r for r in load_results(DATA) if r.key == old["key"])
+    acc = point.acceptance
+    assert (acc.steps, acc.drafted, acc.accepted) == (old["spec"]["drafts"], old["spec"]["draft_tokens"],
+                                                      old["spec"]["accepted"])
+    assert acc.per_position == old["spec"]["accepted_per_pos"]
+    assert point.tau == pytest.approx(1 + old["spec"]["accepted"] / old["spec"]["drafts"])
+    assert point.records[0].request_spec_metrics == old["records"][0]["spec"]
+    assert point.deployment.deployment_spec == old["deployment"]["spec"]
+    # and what the new version writes loads back the same
+    assert type(point).model_validate_json(point.model_dump_json()) == point
+    assert AcceptanceStats.model_validate(acc.model_dump()) == acc
+
+
+def test_acceptance_is_undefined_without_drafts_and_pools_by_counts():
+    from cartspec.results import AcceptanceStats
+
+    empty = AcceptanceStats()
+    assert empty.rate is None and empty.tau is None and empty.per_position_rate == []
+    a = AcceptanceStats(drafted=30, accepted=12, steps=10, per_position=[6, 4, 2])
+    b = AcceptanceStats(drafted=30, accepted=3, steps=10, per_position=[3])
+    both = AcceptanceStats.pooled([a, b])
+    assert (both.drafted, both.accepted, both.steps, both.per_position) == (60, 15, 20, [9, 4, 2])
+    assert both.rate == pytest.approx(15 / 60) and both.tau == pytest.approx(1 + 15 / 20)
+    assert (a + b).rate == both.rate and both.per_position_rate == pytest.approx([0.45, 0.2, 0.1])
+
+
+def test_run_manifest_reads_an_old_run_json_and_writes_it_back(tmp_path):
+    from cartspec.results import RunManifest
+
+    m = RunManifest.load(DATA)
+    assert m.preset == "paper" and m.invocations and m.seconds == m.invocations[0].seconds
+    m.save(tmp_path)
+    old = json.loads((DATA / "run.json").read_text())
+    new = json.loads((tmp_path / "run.json").read_text())
+    assert _missing_or_changed(old, new) == []
+    assert RunManifest.load(tmp_path / "nowhere") == RunManifest()
+
+
+def test_the_report_renders_from_the_loaded_summary(run_dir, tmp_path):
+    """report.html is a function of the analysis alone: rendering the loaded summary gives the same page."""
+    from cartspec.analysis.study import StudyAnalysis
+    from cartspec.report.build import render_report
+
+    rep = render_report(StudyAnalysis.load(run_dir), tmp_path)
+    assert rep.html.read_text() == (run_dir / "report.html").read_text()
