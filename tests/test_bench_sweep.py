@@ -273,3 +273,30 @@ def test_paired_quality_test_flags_a_deployment_whose_answers_are_worse(tmp_path
     assert "QUALITY ALARM" in rep.verdict and "exact match -100.0%" in rep.verdict
     html = rep.html.read_text()
     assert 'id="quality"' in html and "worse" in html
+
+
+def test_reply_scoring_returns_scores_and_leaves_the_records_alone():
+    """A point's replies are scored into a list beside the records; the records the results hold are copies
+    carrying task and exact, and the records the load generator returned are unchanged."""
+    from cartspec.bench.loadgen import chat_requests
+    from cartspec.bench.sweep import reply_quality, score_replies, with_scores
+    from cartspec.results import RequestRecord
+    from cartspec.task.data import Request
+
+    gold = {"intent": "search", "keywords": "x"}
+    reqs = chat_requests([Request(id="q0", query="x", task="search", gold=gold),
+                          Request(id="q1", query="y", task="search")], 16)
+    records = [RequestRecord(id="q0", text='{"intent": "search", "keywords": "x"}'),
+               RequestRecord(id="q1", text="not json"),
+               RequestRecord(id="q0", text="late", error="HTTP 500"),
+               RequestRecord(id="elsewhere", text="{}")]
+    before = [r.model_dump() for r in records]
+    scores = score_replies(records, reqs)
+    assert [r.model_dump() for r in records] == before  # nothing written into the input
+    assert [s is not None for s in scores] == [True, True, False, False]
+    assert reply_quality(scores) == (0.5, 1.0)  # q1 has no gold: valid share over both, exact over q0 only
+    assert reply_quality([None, None]) == (None, None)
+    scored = with_scores(records, scores)
+    assert [(r.task, r.exact) for r in scored] == [("search", True), ("search", None), (None, None), (None, None)]
+    assert scored[2] is records[2] and scored[0] is not records[0]
+    assert [r.model_dump() for r in records] == before

@@ -30,3 +30,37 @@ def test_data_command_writes_splits(tmp_path):
 
     assert len(read_requests(tmp_path / "train.jsonl")) == 30
     assert len(read_requests(tmp_path / "test.jsonl")) == 5
+
+
+def test_draft_acceptance_server_options_reach_the_measurement(tmp_path, monkeypatch):
+    """``draft acceptance --server``: its settings without --server and a key variable that holds nothing are
+    refused before anything runs; given, the URL, served name and key reach ``measure_vllm`` and the JSON
+    records the variable's name, never the key."""
+    import json
+
+    import cartspec.draft.acceptance as acceptance
+
+    out = tmp_path / "acc.json"
+    r = runner.invoke(app, ["draft", "acceptance", "--method", "ngram", "--served-name", "m", "--out", str(out)])
+    assert r.exit_code == 2 and "settings of --server" in r.output
+    monkeypatch.delenv("CARTSPEC_TEST_KEY", raising=False)
+    r = runner.invoke(app, ["draft", "acceptance", "--method", "ngram", "--server", "http://127.0.0.1:9",
+                            "--server-api-key-env", "CARTSPEC_TEST_KEY", "--out", str(out)])
+    assert r.exit_code == 2 and "CARTSPEC_TEST_KEY" in r.output and not out.exists()
+
+    seen: dict = {}
+
+    def fake_measure(target, method, gamma, reqs, **kw):
+        seen.update(kw, n=len(reqs))
+        return {"mode": "vllm", "n": len(reqs), "tau": None, "acceptance_rate": None, "per_position": [],
+                "by_class": {}, "server": kw["server"]}
+
+    monkeypatch.setattr(acceptance, "measure_vllm", fake_measure)
+    monkeypatch.setenv("CARTSPEC_TEST_KEY", "sekret")
+    r = runner.invoke(app, ["draft", "acceptance", "--method", "ngram", "--server", "http://127.0.0.1:9",
+                            "--served-name", "m", "--server-api-key-env", "CARTSPEC_TEST_KEY", "--limit", "2",
+                            "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert (seen["server"], seen["served_name"], seen["api_key"], seen["n"]) == ("http://127.0.0.1:9", "m", "sekret", 2)
+    written = out.read_text()
+    assert json.loads(written)["server_api_key_env"] == "CARTSPEC_TEST_KEY" and "sekret" not in written

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cartspec.results import PointConfig, PointResult, RequestRecord, append_result
-from cartspec.bench.sweep import load_request_set
+from cartspec.task.request_sets import load_request_set
 from cartspec.cli import app
 from cartspec.quality.study import QualityError, QualityReport, quality_for_run
 from cartspec.task.schema import SCHEMAS, canonical_json
@@ -33,7 +33,7 @@ def wrong_text(req) -> str:
 
 def make_run(path, candidate, n=40, samples=10, temperature=0.5, baseline=True, label="eagle3-domain-g3"):
     """A run with a baseline answering every request right and a candidate answering ``candidate(i, j, req)``."""
-    reqs = [c.source for c in load_request_set("commerce", n, 16)][:n]
+    reqs = load_request_set("commerce", n)[:n]
     deps = ([("baseline", "none", lambda i, j, r: gold_text(r))] if baseline else []) + [(label, "eagle3", candidate)]
     for dep, method, reply in deps:
         cfg = PointConfig(deployment=dep, method=method, gamma=None if method == "none" else 3, concurrency=8,

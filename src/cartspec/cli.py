@@ -145,10 +145,12 @@ def _register_stages() -> None:
     from .bench.cli import register as register_bench
     from .draft.cli import app as draft_app
     from .quality.cli import register as register_quality
+    from .report.cli import register as register_report
 
     app.command("serve")(serve)
     app.add_typer(draft_app, name="draft")
-    register_bench(app)  # study, report
+    register_bench(app)  # study
+    register_report(app)  # report
     register_analysis(app)  # tune
     register_quality(app)  # quality
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from ..draft.classes import CLASSES
 from ..results import PointResult
+from ..task.request_sets import load_request_set
 
 
 class ClassAcceptance(BaseModel):
@@ -66,9 +67,7 @@ def _model_dir(r: PointResult) -> str | None:
 
 @functools.lru_cache(maxsize=8)
 def _requests(request_set: str, n: int) -> dict[str, Any]:
-    from ..bench.sweep import load_request_set
-
-    return {c.id: c.source for c in load_request_set(request_set, n, 1) if c.source is not None}
+    return {r.id or "": r for r in load_request_set(request_set, n)}
 
 
 def reply_ids(tok, text: str, output_tokens: int) -> list[int] | None:

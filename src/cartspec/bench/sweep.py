@@ -11,35 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from ..serving.endpoint import Endpoint, Launcher, api_key_from_env, endpoint
 from ..serving.spec import DeploymentSpec
 from .plan import (SweepPlan, baseline, head_available, parse_deployment, preset,  # noqa: F401 (re-exported)
                    spec_deployment)
 from .loadgen import ChatRequest, LoadConfig, chat_requests, run_load
-from ..results import (DeploymentInfo, Invocation, Machine, PointConfig, PointResult, RunManifest, append_result,
-                       finished_keys, load_results, now_iso)
-
-# --- request sets -------------------------------------------------------------
-
-
-def load_request_set(name: str, n: int, max_tokens: int, structured: bool = False) -> list[ChatRequest]:
-    """``commerce`` (the task's test split, search and support mixed), ``search``, ``support``, or a JSONL file."""
-    from ..task.data import read_requests
-    from ..task.generator import generate
-
-    if name in ("commerce", "search", "support"):
-        reqs = generate("test", max(4 * n, 64))
-        if name != "commerce":
-            reqs = [r for r in reqs if r.task == name]
-    else:
-        reqs = read_requests(name)
-    return chat_requests(reqs[: max(n, 1) + 16], max_tokens, structured)
-
+from ..results import (DeploymentInfo, Invocation, Machine, PointConfig, PointResult, RequestRecord, RunManifest,
+                       append_result, finished_keys, load_results, now_iso)
+from ..task.request_sets import load_request_set
+from ..task.score import ItemScore, score_item
 
 # --- deployments ---------------------------------------------------------------
 # Starting vLLM or using a running endpoint, liveness and descriptions: serving/endpoint.py.
@@ -212,24 +196,30 @@ def _run_deployment(plan: SweepPlan, spec: DeploymentSpec, pending: list[PointCo
     return measured
 
 
-def reply_quality(records: list, requests: list[ChatRequest]) -> tuple[float | None, float | None]:
-    """(JSON-valid share, exact-match share) of a point's answered requests: the guard that catches
-    a deployment that is fast because it answers wrongly."""
-    from ..task.score import score_item
-
+def score_replies(records: Sequence[RequestRecord], requests: Sequence[ChatRequest]) -> list[ItemScore | None]:
+    """Each record's reply scored against the task request it answers, in record order; None for a
+    failed request, a record without text, or one whose request has no task request behind it."""
     by_id = {r.id: r.source for r in requests if r.source is not None}
-    scored = []
-    for rec in records:
-        if rec.ok and rec.text is not None and rec.id in by_id:
-            item = score_item(by_id[rec.id], rec.text)
-            # kept on the record: the report's paired tests must not re-derive gold later
-            rec.task, rec.exact = item.task, item.exact
-            scored.append(item)
+    return [score_item(by_id[rec.id], rec.text) if rec.ok and rec.text is not None and rec.id in by_id else None
+            for rec in records]
+
+
+def reply_quality(scores: Sequence[ItemScore | None]) -> tuple[float | None, float | None]:
+    """(JSON-valid share, exact-match share) of a point's scored replies; (None, None) when none was scored.
+    The guard that catches a deployment that is fast because it answers wrongly."""
+    scored = [s for s in scores if s is not None]
     if not scored:
         return None, None
     with_gold = [s.exact for s in scored if s.exact is not None]
     return (sum(s.json_valid for s in scored) / len(scored),
             sum(with_gold) / len(with_gold) if with_gold else None)
+
+
+def with_scores(records: Sequence[RequestRecord], scores: Sequence[ItemScore | None]) -> list[RequestRecord]:
+    """Copies of ``records`` carrying their score's ``task`` and ``exact`` (kept in the results so that the
+    report's paired tests never re-derive gold); an unscored record is returned as it is."""
+    return [rec if s is None else rec.model_copy(update={"task": s.task, "exact": s.exact})
+            for rec, s in zip(records, scores, strict=True)]
 
 
 def with_samples(requests: list[ChatRequest], n: int, samples: int) -> list[ChatRequest]:
@@ -250,7 +240,8 @@ def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Mach
     reporter.point_started(cfg)
     started = now_iso()
     try:
-        requests = load_request_set(cfg.request_set, cfg.n_requests + cfg.warmup, cfg.max_tokens, cfg.structured)
+        requests = chat_requests(load_request_set(cfg.request_set, cfg.n_requests + cfg.warmup), cfg.max_tokens,
+                                 cfg.structured)
         requests = with_samples(requests, cfg.n_requests, cfg.samples)
         load = LoadConfig(mode=cfg.mode, concurrency=cfg.concurrency or 1, rate=cfg.rate,
                           n_requests=cfg.n_requests * cfg.samples,
@@ -267,14 +258,16 @@ def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Mach
         return PointResult.failed(cfg, ep.died_reason(), started_at=started, machine=machine, deployment=info,
                                   records=result.records, wall_s=result.wall_s, n_requests=len(result.records),
                                   n_errors=sum(1 for r in result.records if not r.ok))
-    json_valid, exact = reply_quality(result.records, requests)
-    res = PointResult.measured(cfg, result.records, result.wall_s, result.acceptance, started_at=started,
+    scores = score_replies(result.records, requests)
+    json_valid, exact = reply_quality(scores)
+    records = with_scores(result.records, scores)
+    res = PointResult.measured(cfg, records, result.wall_s, result.acceptance, started_at=started,
                                machine=machine, deployment=info, n_warmup=result.n_warmup,
                                json_valid=json_valid, exact_match=exact)
     if res.n_errors == res.n_requests:
-        first = next((r.error for r in result.records if r.error), "")
+        first = next((r.error for r in records if r.error), "")
         return PointResult.failed(cfg, f"every request failed: {first}", started_at=started, machine=machine,
-                                  deployment=info, records=result.records, wall_s=result.wall_s,
+                                  deployment=info, records=records, wall_s=result.wall_s,
                                   n_requests=res.n_requests, n_errors=res.n_errors)
     return res
 

@@ -1,10 +1,11 @@
 """Acceptance of a speculative method, measured in vLLM or simulated offline.
 
 ``measure_vllm``: one deployment (the target + ``eagle3`` head or ``ngram``),
-every request at temperature 0 with ``--per-request-spec-decode-metrics
-detailed`` and ``return_token_ids``; τ and the acceptance rate come from the
-per-request ``per_step_accepted`` / ``per_step_drafted`` counts, by-class from
-aligning those steps to the output tokens (``simulate.steps_from_vllm``).
+started here or already running (``server``), every request at temperature 0
+with ``--per-request-spec-decode-metrics detailed`` and ``return_token_ids``;
+τ and the acceptance rate come from the per-request ``per_step_accepted`` /
+``per_step_drafted`` counts, by-class from aligning those steps to the output
+tokens (``simulate.steps_from_vllm``).
 
 ``measure_simulated``: the same figures from the target's greedy outputs
 (``simulate``), without a server.
@@ -61,14 +62,19 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
                  concurrency: int = 8, max_tokens: int = 192, log_dir: str | Path = "runs/logs",
                  log: Callable[[str], None] = print, enforce_eager: bool = False,
                  on_done: Callable[[int, int], None] | None = None, dtype: str = "auto",
-                 hybrid: Any = None) -> dict[str, Any]:
-    """``method``: eagle3 | ngram | hybrid (``hybrid``: a ``serving.hybrid.HybridConfig``, default its DEFAULT)."""
+                 hybrid: Any = None, server: str | None = None, served_name: str | None = None,
+                 api_key: str | None = None) -> dict[str, Any]:
+    """``method``: eagle3 | ngram | hybrid (``hybrid``: a ``serving.hybrid.HybridConfig``, default its DEFAULT).
+
+    ``server``: measure this running vLLM instead of starting one (``served_name``: its model, default the
+    first it lists; ``api_key``: sent as a bearer token). It must run ``target`` with the method, γ and head
+    given here, which describe it in the results, and ``--per-request-spec-decode-metrics detailed``; a
+    server whose replies carry no token ids is refused (``EndpointError``)."""
     from transformers import AutoTokenizer
 
     from ..model.registry import resolve_head, resolve_model
     from ..serving.client import ChatClient, gather_limited
-    from ..serving.engine import engine_versions
-    from ..serving.server import VllmServer
+    from ..serving.endpoint import EndpointError, endpoint
     from ..serving.spec import DeploymentSpec, Speculative
     from ..task.prompts import messages
     from .simulate import steps_from_vllm, summarize
@@ -81,11 +87,16 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
                           max_num_seqs=max(concurrency, 1), dtype=dtype).resolved()
     tok = AutoTokenizer.from_pretrained(model_dir)
     t0 = time.perf_counter()
-    with VllmServer(spec, log_dir=log_dir, model_dir=model_dir, head_dir=head_dir) as server:
-        log(f"vLLM up in {time.perf_counter() - t0:.0f}s: {sp.label} on {model_dir.name}")
+    # the spec names the resolved directories, so a started server runs exactly these
+    with endpoint(server or spec, log_dir=log_dir, api_key=api_key, served_name=served_name,
+                  runs=spec if server else None) as ep:
+        if server:
+            log(f"measuring {ep.url} ({ep.served_name}) as {sp.label} on {model_dir.name}")
+        else:
+            log(f"vLLM up in {time.perf_counter() - t0:.0f}s: {sp.label} on {model_dir.name}")
 
         async def run() -> list[Any]:
-            async with ChatClient(server.url, spec.name, timeout=600) as client:
+            async with ChatClient(ep.url, ep.served_name, timeout=600, api_key=ep.api_key) as client:
                 done = [0]
 
                 def tick(i, res):
@@ -100,7 +111,7 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
         t1 = time.perf_counter()
         results = asyncio.run(run())
         wall = time.perf_counter() - t1
-        versions = server.info().versions
+        versions = ep.versions
     errors = [r for r in results if isinstance(r, Exception)]
     if errors:
         raise RuntimeError(f"{len(errors)} of {len(reqs)} requests failed; first: {errors[0]}")
@@ -109,6 +120,9 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
     for c in results:
         ch = c.raw["choices"][0]
         ids = ch.get("token_ids") or []
+        if server and not ids:
+            raise EndpointError(f"{ep.url} returned no token ids (vLLM's return_token_ids): acceptance cannot "
+                                "be placed on the reply's tokens")
         outputs.append(ids)
     classes = _classes_for(tok, reqs, outputs)
     missing = 0
@@ -144,7 +158,8 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
             "head": str(head_dir) if head_dir else None, "n": len(reqs), "temperature": 0.0,
             "concurrency": concurrency, "max_tokens": max_tokens, "output_tokens": out_tokens,
             "wall_s": round(wall, 1), "output_tokens_per_s": round(out_tokens / wall, 1) if wall else None,
-            "requests_without_step_metrics": missing, "engine": versions}
+            "requests_without_step_metrics": missing, "engine": versions,
+            **({"server": ep.url, "served_name": ep.served_name} if server else {})}
 
 
 def _hybrid_fields(method: str, hybrid: Any) -> dict[str, Any]:

@@ -272,9 +272,17 @@ def acceptance(
     enforce_eager: bool = typer.Option(False, help="vLLM without torch.compile"),
     dtype: str = typer.Option("auto", help="serving dtype: auto (float32 on a CPU without native bf16, else bfloat16) | bfloat16 | float32 | float16"),
     force: bool = typer.Option(False, "--force", help="measure a head trained for another target anyway (warns)"),
+    server: Optional[str] = typer.Option(
+        None, help="measure this running vLLM instead of starting one; it must serve --target with --method, "
+                   "--gamma and --head (which describe it) and --per-request-spec-decode-metrics detailed"),
+    served_name: Optional[str] = typer.Option(None, help="model name on --server (default: its first model)"),
+    server_api_key_env: Optional[str] = typer.Option(
+        None, "--server-api-key-env", metavar="VAR", help="the environment variable holding --server's API key "
+        "(sent as 'Authorization: Bearer KEY'); the JSON records VAR, never the key"),
 ) -> None:
     """τ, acceptance rate, per-position and by-class acceptance at temperature 0."""
     from ..model.convert import ModelNotFound
+    from ..serving.endpoint import EndpointError, MissingApiKey, api_key_from_env
     from ..serving.server import DeploymentError
     from ..task.data import DataFileError
     from .acceptance import load_data, measure_simulated, measure_vllm
@@ -283,6 +291,14 @@ def acceptance(
         _fail("--method must be eagle3, ngram or hybrid")
     if method in ("eagle3", "hybrid") and not head:
         _fail(f"--head is required with --method {method}")
+    if (served_name or server_api_key_env) and not server:
+        _fail("--served-name and --server-api-key-env are settings of --server")
+    if server and simulate:
+        _fail("--server measures a running vLLM; --simulate runs no server")
+    try:  # checked now, not after the requests are built
+        api_key = api_key_from_env(server_api_key_env)
+    except MissingApiKey as exc:
+        _fail(f"--server-api-key-env: {exc}")
     hybrid = None
     if method == "hybrid":
         from ..serving.hybrid import DEFAULT, HybridConfig
@@ -317,11 +333,14 @@ def acceptance(
             else:
                 res = measure_vllm(target, method, gamma, reqs, head=head, concurrency=concurrency,
                                    max_tokens=max_tokens, log=console.print, enforce_eager=enforce_eager,
-                                   on_done=prog, dtype=dtype, hybrid=hybrid)
-        except (ModelNotFound, DeploymentError, FileNotFoundError) as exc:
+                                   on_done=prog, dtype=dtype, hybrid=hybrid, server=server,
+                                   served_name=served_name, api_key=api_key)
+        except (ModelNotFound, DeploymentError, EndpointError, FileNotFoundError) as exc:
             _fail(str(exc))
     res["data"] = data
     res["head_name"] = head
+    if server_api_key_env:
+        res["server_api_key_env"] = server_api_key_env  # the variable's name; the key is never written
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     pp = " ".join(f"{x:.3f}" for x in res["per_position"])

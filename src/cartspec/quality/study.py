@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from pydantic import BaseModel, Field
 
 from ..results import PointResult, load_results, now_iso
+from ..task.request_sets import load_request_set
 from .paired import METRICS, TEST_NAME, FieldDelta, PairedTest, field_deltas, metric_values, paired_test
 
 if TYPE_CHECKING:
@@ -97,8 +98,6 @@ def _group_key(r: PointResult) -> tuple:
 
 def gold_requests(results: Iterable[PointResult]) -> dict[tuple[str, str], Any]:
     """(request set, id) -> the task request with its gold answer, regenerated as the sweep generated it."""
-    from ..bench.sweep import load_request_set
-
     need: dict[str, int] = {}
     for r in results:
         c = r.config
@@ -106,12 +105,12 @@ def gold_requests(results: Iterable[PointResult]) -> dict[tuple[str, str], Any]:
     out: dict[tuple[str, str], Any] = {}
     for rs, n in need.items():
         try:
-            reqs = load_request_set(rs, n, 16)
+            reqs = load_request_set(rs, n)
         except Exception as exc:
             raise QualityError(f"cannot rebuild request set {rs!r} to score its replies: {exc}") from exc
-        for cr in reqs:
-            if cr.source is not None and cr.id:
-                out[(rs, cr.id)] = cr.source
+        for req in reqs:
+            if req.id:
+                out[(rs, req.id)] = req
     return out
 
 
