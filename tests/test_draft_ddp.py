@@ -1,5 +1,5 @@
-"""Head training under ``torchrun --nproc_per_node 2`` (DDP, gloo on CPU) reaches the loss one process
-reaches on the same data."""
+"""Head training under ``torchrun --nproc_per_node 2`` (gloo on CPU), replicated (DDP) or sharded (FSDP2),
+reaches the loss one process reaches on the same data."""
 
 from __future__ import annotations
 
@@ -12,18 +12,25 @@ from pathlib import Path
 
 import pytest
 
+# argv: features, target, out, [ddp|fsdp]. The FSDP run is stopped after its first step (checkpointed from
+# the shards) and resumed, so the sharded checkpoint round trip is on the path to the final loss.
 SCRIPT = """
 import json, sys
+from dataclasses import replace
 from pathlib import Path
 from cartspec.draft.features import FeatureSet
 from cartspec.draft.train import TrainConfig, distributed, train_head
 fs = FeatureSet.load(sorted(Path(sys.argv[1]).glob("shard-*.safetensors")))
+fsdp = sys.argv[4:] == ["fsdp"]
 cfg = TrainConfig(ttt_steps=3, lr=3e-3, batch_tokens=1024, steps=30, warmup_steps=5, draft_vocab_size=512,
-                  save_every=1000, threads=1)
-head, summary = train_head(fs, Path(sys.argv[2]), Path(sys.argv[3]), cfg, data_key="ddp-test", log=lambda *a: None)
+                  save_every=1000, threads=1, fsdp=fsdp)
+run = lambda c: train_head(fs, Path(sys.argv[2]), Path(sys.argv[3]), c, data_key="ddp-test", log=lambda *a: None)
+stopped = run(replace(cfg, max_minutes=1e-9))[1]["steps"] if fsdp else None
+head, summary = run(cfg)
 rank, world = distributed()
 if rank == 0:
-    print("RESULT " + json.dumps({"world": summary["world_size"], "history": [r["loss"] for r in
+    print("RESULT " + json.dumps({"world": summary["world_size"], "sharding": summary["sharding"],
+          "stopped_at": stopped, "history": [r["loss"] for r in
           json.loads((Path(sys.argv[3]) / "training_log.json").read_text())["history"]]}), flush=True)
 """
 
@@ -37,7 +44,7 @@ def _run(cmd, env):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_torchrun_two_processes_reach_the_single_process_loss(tiny_llama_dir, tmp_path):
+def test_torchrun_two_processes_reach_the_single_process_loss_ddp_and_fsdp(tiny_llama_dir, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -62,13 +69,23 @@ def test_torchrun_two_processes_reach_the_single_process_loss(tiny_llama_dir, tm
     extract(tiny_llama_dir, records, tmp_path / "features", [2, 3], shard_size=64)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # gloo even where torch sees a GPU: both ranks train on the CPU here
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CARTSPEC_DDP_BACKEND": "gloo"}
     one = _run([sys.executable, str(script), str(tmp_path / "features"), str(tiny_llama_dir),
                 str(tmp_path / "one")], env)
     torchrun = Path(sys.executable).with_name("torchrun")
-    two = _run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path / "features"),
-                str(tiny_llama_dir), str(tmp_path / "two")], env)
-    assert one["world"] == 1 and two["world"] == 2
+    two = {mode: _run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script),
+                       str(tmp_path / "features"), str(tiny_llama_dir), str(tmp_path / mode), mode], env)
+           for mode in ("ddp", "fsdp")}
+    assert one["world"] == 1 and one["sharding"] is None
+    assert all(two[m]["world"] == 2 and two[m]["sharding"] == m for m in two)
+    assert two["fsdp"]["stopped_at"] == 1 and len(two["fsdp"]["history"]) == 30  # stopped, then resumed
     tail = lambda h: sum(h[-10:]) / 10  # noqa: E731
-    assert tail(one["history"]) < 0.8 * one["history"][0]  # it learnt something
-    assert abs(tail(two["history"]) - tail(one["history"])) <= 0.05 * tail(one["history"]), (one, two)
+    l1 = tail(one["history"])
+    print(f"\n[ddp] final loss (mean of the last 10 of {len(one['history'])} steps; first step "
+          f"{one['history'][0]:.4f}): one process {l1:.4f}, " + ", ".join(
+              f"torchrun 2 processes {m.upper()} {tail(two[m]['history']):.4f} (relative difference "
+              f"{abs(tail(two[m]['history']) - l1) / l1:.4f})" for m in two))
+    assert l1 < 0.8 * one["history"][0]  # it learnt something
+    for m in two:
+        assert abs(tail(two[m]["history"]) - l1) <= 0.05 * l1, (m, one, two[m])

