@@ -78,6 +78,12 @@ def patch_module(mod) -> bool:
     """Replace the CPU ``expand`` override in ``mod``; True if something was replaced."""
     if not hasattr(mod, "_expand_kernel_impl") or getattr(mod, "_cartspec_patched", False):
         return False
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        current_platform = None
+    if current_platform is not None and current_platform.device_type != "cpu":  # Triton's kernel is right
+        return False
     mod._original_expand_kernel_impl = mod._expand_kernel_impl
     mod._expand_kernel_impl = expand_kernel
     mod._cartspec_patched = True
