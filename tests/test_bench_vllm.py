@@ -28,10 +28,16 @@ def test_tiny_sweep_on_vllm(tiny_llama_dir, tmp_path, monkeypatch):
     stop = VllmServer.stop
 
     def scrape_then_stop(server, *args, **kwargs):
-        if server.alive():
-            text = httpx.get(server.url + "/metrics", timeout=10).text
-            counters[server.spec.label] = SpecCounters.from_text(text)
-        return stop(server, *args, **kwargs)
+        # stop() also runs when a start fails, before the server listens: a scrape that cannot connect must
+        # neither hide why the start failed nor leave the server running (a missing scrape fails below).
+        try:
+            if server.alive():
+                text = httpx.get(server.url + "/metrics", timeout=60).text
+                counters[server.spec.label] = SpecCounters.from_text(text)
+        except httpx.HTTPError:
+            pass
+        finally:
+            stop(server, *args, **kwargs)
 
     monkeypatch.setattr(VllmServer, "stop", scrape_then_stop)
     results = run_sweep(plan, out)
