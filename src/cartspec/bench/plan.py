@@ -123,7 +123,7 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
     installed) and the adaptive schedule tuned for this machine. The ``generic`` head is not in it: it
     is a short stand-in trained for the base model, and its acceptance on the commerce model (~1%)
     says nothing about an off-the-shelf head; measure it with ``--deployments eagle3:generic:3``.
-    ``quick``: a taste of it in under 10 minutes on 2 cores, with the hybrid drafter beside the head. ``calibrate``: what the cost model and
+    ``quick``: a taste of it in about 11 minutes on 2 cores, with the hybrid drafter beside the head. ``calibrate``: what the cost model and
     ``cartspec tune`` need on a new machine (the baseline and the head at γ=5 at three loads), in minutes."""
     if name == "paper":
         return SweepPlan(name="paper", deployments=[
