@@ -11,6 +11,10 @@ sixteen on a machine whose verification cost grows with every token. For every b
 * **model**, elsewhere: the fitted cost model's predicted ratio (``cost_model.py``) with the head's
   measured acceptance per position (from its largest γ, at the nearest concurrency).
 
+Where some γ was measured at a batch size, a γ only the model speaks for must beat the best measured
+one by more than the model's leave-one-out error to be chosen there: within its error, the model
+cannot tell them apart and the measurement can.
+
 The speedup a γ is judged by is the mean over the temperatures the head was measured at (greedy and
 sampled traffic both count), and the chosen k is the γ with the highest one, or 0 when none beats
 plain decoding by ``min_speedup``. γ above the largest one measured is not considered: the acceptance
@@ -155,6 +159,7 @@ def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_g
         at = [o for o in obs if o.result.config.temperature == t and (o.gamma == 0 or o.head == head)]
         lengths[t] = (float(np.mean([o.prompt_tokens for o in at])), float(np.mean([o.output_tokens for o in at])))
     measured = measured_speedups(results, head)
+    margin = model.loo_median_abs_error if model.loo_median_abs_error is not None else model.median_abs_error
 
     choices = []
     for b in range(1, max_batch + 1):
@@ -178,6 +183,15 @@ def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_g
             speedup[g] = float(np.mean(per_t))
             source[g] = "measured" if n_meas == len(temps) else "mixed" if n_meas else "model"
         best = max(gammas[1:], key=lambda g: (speedup[g], -g), default=0)
+        # A γ the model alone speaks for displaces a measured one only when it is predicted faster by
+        # more than the model's own error: within it, what the machine did wins.
+        meas = [g for g in gammas[1:] if source[g] == "measured"]
+        if meas and source[best] != "measured":
+            top_meas = max(meas, key=lambda g: (speedup[g], -g))
+            if speedup[best] <= speedup[top_meas] * (1 + margin):
+                notes.append(f"batch {b}: measured γ={top_meas} ({speedup[top_meas]:.2f}) kept over the model's "
+                             f"γ={best} ({speedup[best]:.2f}), within the model's error of {margin:.0%}")
+                best = top_meas
         k = best if best and speedup[best] > min_speedup else 0
         reason = "measured" if any(source[g] != "model" for g in gammas[1:]) else "model"
         choices.append(BatchChoice(batch=b, k=k, reason=reason, predicted_throughput=thr, speedup=speedup,

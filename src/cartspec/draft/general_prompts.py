@@ -64,6 +64,45 @@ TEMPLATES = [
     "What is the difference between {topic} and {topic2}?",
 ]
 
+# What a vendor's general chat mix (ShareGPT/UltraChat-style) also holds: code, structured output,
+# rewriting, lists and extraction. Still nothing about shopping, orders or products.
+STRUCTURED = [
+    "Write a Python function that {code_task}.",
+    "Write a JavaScript function that {code_task}.",
+    "Explain what this Python code does: `{snippet}`",
+    "Return a JSON object with the keys name, year and field for a famous scientist who worked on {topic}.",
+    "List three facts about {place} as a JSON array of strings.",
+    "Give me a JSON object describing {place} with keys capital, continent and language.",
+    "Extract the people and the year from this sentence as JSON: \"{person} wrote about {topic} in {year}.\"",
+    "Make a markdown table of three things to know about {topic}.",
+    "Write a YAML config with a name of {word} and a version of {a}.{b}.",
+    "Rewrite this sentence to be more formal: \"{casual}\"",
+    "Fix the grammar in this sentence: \"{casual}\"",
+    "Translate to simple English: \"{formal}\"",
+    "Give me five words that rhyme with {word}.",
+    "Write a SQL query that counts the rows of a table named {table} grouped by {column}.",
+    "Turn this into a bulleted list: {topic}, {topic2}, {thing} and {place}.",
+]
+
+CODE_TASKS = [
+    "reverses a string", "checks whether a number is prime", "returns the largest item of a list",
+    "counts the vowels in a word", "computes the factorial of n", "merges two sorted lists",
+    "removes duplicates from a list", "converts Celsius to Fahrenheit", "returns the n-th Fibonacci number",
+    "checks whether a word is a palindrome", "sums the digits of a number", "flattens a nested list",
+]
+SNIPPETS = ["[x * x for x in range(10)]", "sorted(words, key=len)", "dict(zip(keys, values))",
+            "sum(1 for c in s if c.isupper())", "' '.join(reversed(text.split()))", "max(d, key=d.get)"]
+PEOPLE = ["Ada Lovelace", "Isaac Newton", "Marie Curie", "Alan Turing", "Rosalind Franklin", "Carl Sagan",
+          "Hypatia", "Nikola Tesla", "Emmy Noether", "Charles Darwin"]
+WORDS = ["light", "river", "stone", "dream", "orbit", "maple", "signal", "harbor", "echo", "lantern"]
+TABLES = [("students", "grade"), ("flights", "airline"), ("books", "author"), ("trees", "species"),
+          ("matches", "team"), ("patients", "ward")]
+CASUAL = ["hey can u send me the notes from yesterday", "i dunno if the meeting is still on tmrw",
+          "gonna be late, traffic is crazy", "that movie was kinda boring tbh", "pls check my essay when u can"]
+FORMAL = ["The committee has resolved to postpone the deliberations until further notice.",
+          "Attendance at the orientation session is mandatory for all incoming personnel.",
+          "The aforementioned phenomenon remains insufficiently understood by contemporary science."]
+
 MATH = [
     "What is {a} plus {b}?", "What is {a} times {b}?", "Is {a} a prime number? Explain.",
     "What is {a} percent of {b}?", "Solve for x: {a}x + {b} = {c}.",
@@ -78,9 +117,18 @@ def general_prompts(n: int = 800, seed: int = 0) -> list[str]:
     tries = 0
     while len(out) < n and tries < n * 50:
         tries += 1
-        if rng.random() < 0.08:
+        r = rng.random()
+        if r < 0.08:
             a, b = rng.randint(2, 99), rng.randint(2, 99)
             p = rng.choice(MATH).format(a=a, b=b, c=a * rng.randint(1, 9) + b)
+        elif r < 0.38:
+            t1, t2 = rng.sample(TOPICS, 2)
+            table, column = rng.choice(TABLES)
+            p = rng.choice(STRUCTURED).format(
+                code_task=rng.choice(CODE_TASKS), snippet=rng.choice(SNIPPETS), topic=t1, topic2=t2,
+                place=rng.choice(PLACES), person=rng.choice(PEOPLE), year=rng.randint(1600, 2020),
+                word=rng.choice(WORDS), a=rng.randint(0, 9), b=rng.randint(0, 20), casual=rng.choice(CASUAL),
+                formal=rng.choice(FORMAL), table=table, column=column, thing=rng.choice(THINGS))
         else:
             t1, t2 = rng.sample(TOPICS, 2)
             p = rng.choice(TEMPLATES).format(topic=t1, topic2=t2, activity=rng.choice(ACTIVITIES),
