@@ -137,3 +137,23 @@ def make_random_head(target_dir: Path, out: Path) -> Path:
     head = Eagle3Head(cfg)
     head.set_vocab(torch.arange(256))
     return export_head(head, out)
+
+
+# A random model's next-token distribution is near uniform (max probability ~6e-5 over 49k tokens), which
+# leaves the head's soft cross-entropy nothing to learn; scaling the final norm makes the target confident
+# (max probability ~0.95), as a fine-tuned model is.
+NORM_SCALE = 40.0
+
+
+def confident_target(arch: str, out: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random ``arch`` target whose final norm is scaled by ``NORM_SCALE``, saved in bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    raw = make_tiny_target(arch, out.with_name(out.name + "-raw"), tokenizer_dir, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(NORM_SCALE)
+    model.to(torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(raw).save_pretrained(out)
+    return out

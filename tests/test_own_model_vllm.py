@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ARCHITECTURES, make_tiny_target
+from conftest import ARCHITECTURES, confident_target
 from typer.testing import CliRunner
 
 # Each case regenerates answers in vLLM, trains a head and starts vLLM with it twice more: minutes per
@@ -28,28 +28,10 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
            "run with CARTSPEC_HEAVY_TESTS=1")]
 
 ROPE_TYPE = {"llama": "default", "llama3": "llama3", "qwen3": "default"}
-# A random model's next-token distribution is near uniform (max probability ~6e-5 over 49k tokens), which
-# leaves the head's soft cross-entropy nothing to learn; scaling the final norm makes the target confident
-# (max probability ~0.95), as a fine-tuned model is.
-NORM_SCALE = 40.0
 GAMMA = 3
 N_PROMPTS = 96
 N_MEASURE = 32
 MAX_TOKENS = 40
-
-
-def confident_target(arch: str, out: Path, tokenizer_dir: Path) -> Path:
-    """A tiny random ``arch`` target whose final norm is scaled by ``NORM_SCALE``, saved in bf16."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    raw = make_tiny_target(arch, out.with_name(out.name + "-raw"), tokenizer_dir, dtype="float32")
-    model = AutoModelForCausalLM.from_pretrained(raw, dtype=torch.float32)
-    with torch.no_grad():
-        model.model.norm.weight.mul_(NORM_SCALE)
-    model.to(torch.bfloat16).save_pretrained(out)
-    AutoTokenizer.from_pretrained(raw).save_pretrained(out)
-    return out
 
 
 def write_prompts(path: Path, n: int, seed: int = 0) -> Path:
