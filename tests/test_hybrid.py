@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from cartspec.serving.hybrid import (ENV, HybridConfig, combine, context_for, hybrid_drafts, lookup, patch_runner,
-                                     propose)
+from cartspec.serving.hybrid import (ENV, HybridConfig, TokenInfo, combine, context_for, hybrid_drafts, lookup,
+                                     patch_runner, propose, value_start)
 
 
 def test_lookup_match_overrides_the_heads_draft():
@@ -200,3 +200,94 @@ def test_draft_acceptance_cli_rejects_bad_hybrid_settings(tmp_path):
     res = runner.invoke(app, ["draft", "acceptance", "--method", "eagle3", "--head", "domain", "--scope", "prompt",
                               "--out", out])
     assert res.exit_code == 2 and "settings of --method hybrid" in res.output
+
+
+# --- the anchor rule, on a hand-made vocabulary -------------------------------------------------------
+
+_TEXTS = ["<s>", "\n", '{"', '":', ' "', '",', '"}', ' ["', '"],', "keywords", "colors", "intent", "search",
+          "ref", "cal", " cal", "vin", " k", "lein", " only", " brown", "brown", "jack", "et", " size", "xx"]
+_ID = {t: i for i, t in enumerate(_TEXTS)}
+
+
+def _ids(*texts):
+    return [_ID[t] for t in texts]
+
+
+def _info():
+    return TokenInfo.from_texts(_TEXTS, special=[0])
+
+
+ANCHOR = HybridConfig(3, 4, "anchor", "prompt")
+
+
+def test_token_info_classes_and_twins():
+    info = _info()
+    assert info.twin[_ID["cal"]] == _ID[" cal"] and info.twin[_ID[" cal"]] == _ID["cal"]
+    assert info.twin[_ID["vin"]] == -1 and info.twin[_ID["<s>"]] == -1
+    assert info.structure[_ID['",']] and info.structure[_ID['"],']] and not info.structure[_ID["cal"]]
+    assert not info.structure[_ID["<s>"]] and not info.content[_ID["<s>"]]
+    assert info.opens[_ID[' "']] and info.opens[_ID[' ["']] and not info.opens[_ID['",']]
+    assert info.bracket[_ID[' ["']] == 1 and info.bracket[_ID['"],']] == -1
+
+
+def test_anchor_continues_a_value_from_the_prompts_spaced_word():
+    # prompt: "... cal vin k lein only"; the reply has opened a brands value and written "cal" (no space)
+    prompt = _ids("<s>", " brown", " cal", "vin", " k", "lein", " only", "\n")
+    reply = _ids('{"', "colors", '":', ' ["', "cal")
+    ctx = prompt + reply
+    assert value_start(ctx, len(prompt), _info())
+    head = _ids("xx", "et", "jack")                 # the head does not know the brand
+    # "cal" matches nowhere as an id, but its twin " cal" does: the prompt's continuation is drafted
+    assert propose(head, ctx, len(prompt), ANCHOR, _info()) == _ids("vin", " k", "lein")
+    # ... up to where the head closes the array (its token there is structure and differs)
+    head = _ids("xx", "et", '"],')
+    assert propose(head, ctx, len(prompt), ANCHOR, _info()) == _ids("vin", " k", '"],')
+    # the plain lookup has no 3-token match and keeps the head's draft
+    assert propose(head, ctx, len(prompt), HybridConfig(3, 4, "lookup"), _info()) == head
+
+
+def test_anchor_stops_where_the_head_closes_the_value():
+    prompt = _ids("<s>", " brown", " cal", "vin", " k", "lein", " only", "\n")
+    ctx = prompt + _ids('{"', "colors", '":', ' ["', "cal", "vin", " k", "lein")
+    # lookup (3-4 tokens) continues with " only"; the head closes the array there: its tokens from there on
+    head = _ids('"],', "keywords", '":')
+    assert propose(head, ctx, len(prompt), HybridConfig(3, 4, "lookup"), _info())[0] == _ID[" only"]
+    assert propose(head, ctx, len(prompt), ANCHOR, _info()) == head
+    # a word the head does not close on: the lookup's token stays, the head's fill the rest
+    head2 = _ids("brown", "keywords", '":')
+    assert propose(head2, ctx, len(prompt), ANCHOR, _info()) == _ids(" only", "\n", '":')
+
+
+def test_anchor_keeps_the_head_on_a_values_first_token_where_they_disagree():
+    # an earlier turn's JSON in the prompt: the lookup would copy its value ("search") into this reply
+    prompt = _ids("<s>", '{"', "intent", '":', ' "', "search", '"}', "\n")
+    ctx = prompt + _ids('{"', "intent", '":', ' "')
+    head = _ids("ref", '",', "keywords")
+    assert propose(head, ctx, len(prompt), HybridConfig(3, 4, "lookup"), _info())[0] == _ID["search"]
+    assert propose(head, ctx, len(prompt), ANCHOR, _info()) == head
+    # where they agree on the first token the lookup's continuation is kept
+    head = _ids("search", "xx", "keywords")
+    assert propose(head, ctx, len(prompt), ANCHOR, _info()) == _ids("search", '"}', "\n")
+
+
+def test_anchor_does_not_start_on_a_key_or_outside_the_prompt():
+    info = _info()
+    prompt = _ids("<s>", " brown", " size", " cal", "vin", "\n")
+    # "colors" right after an opening quote that follows a comma outside an array: a key, not a value
+    ctx = prompt + _ids('{"', "intent", '":', ' "', "ref", '",', ' "', "cal")
+    assert not value_start(ctx, len(prompt), info)
+    head = _ids("xx", "et", '":')
+    assert propose(head, ctx, len(prompt), ANCHOR, info) == head
+    # inside an array an item after '",' is a value
+    ctx = prompt + _ids('{"', "colors", '":', ' ["', "brown", '",', ' "', "cal")
+    assert value_start(ctx, len(prompt), info)
+    assert propose(head, ctx, len(prompt), ANCHOR, info) == _ids("vin", "\n", '":')
+    # a word that is nowhere in the prompt: the head's draft
+    ctx = prompt + _ids('{"', "colors", '":', ' ["', "jack")
+    assert propose(head, ctx, len(prompt), ANCHOR, info) == head
+
+
+def test_anchor_needs_token_info_and_is_a_valid_setting():
+    with pytest.raises(ValueError, match="TokenInfo"):
+        propose([1, 2, 3], [4, 5, 6, 7], 2, ANCHOR)
+    assert HybridConfig.from_env(ANCHOR.to_env()) == ANCHOR

@@ -227,13 +227,15 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
         embed = load_target_weights(model_dir)["embed"].float()
         summary, _ = simulate(h, embed, fs, gamma, classes, progress)
     elif method == "hybrid":
-        from ..serving.hybrid import DEFAULT
+        from ..serving.hybrid import DEFAULT, NEEDS_TOKENS, TokenInfo
 
         hybrid = hybrid or DEFAULT
+        info = TokenInfo.from_tokenizer(tok) if hybrid.rule in NEEDS_TOKENS else None
         head_dir = resolve_head(head)
         h = load_head(head_dir)
         embed = load_target_weights(model_dir)["embed"].float()
-        summary, steps = simulate_hybrid(head_predictions(h, embed, fs, gamma), fs, gamma, hybrid, classes)
+        summary, steps = simulate_hybrid(head_predictions(h, embed, fs, gamma), fs, gamma, hybrid, classes,
+                                         info)
         summary["hybrid"] = dict(hybrid.__dict__)
         summary["per_step_accepted"] = [[st.accepted for st in seq] for seq in steps]
     elif method == "ngram":
