@@ -43,3 +43,12 @@ def test_server_command_carries_the_scale_flags(tiny_llama_dir):
                           engine_args=["--enable-per-request-metrics"])
     cmd = VllmServer(spec, port=8123, model_dir=tiny_llama_dir).command()
     assert cmd[-4:] == ["--tensor-parallel-size", "2", "--enable-prefix-caching", "--enable-per-request-metrics"]
+
+
+def test_the_hybrid_anchor_example_reaches_the_servers_environment():
+    from cartspec.serving.hybrid import ENV, HybridConfig
+
+    s = DeploymentSpec.load(EXAMPLES / "cpu-hybrid-anchor.yaml")
+    env = s.speculative.server_env()
+    assert HybridConfig.from_env(env[ENV]) == HybridConfig(n_min=3, n_max=4, rule="anchor", scope="prompt")
+    assert s.speculative.vllm_config("/heads/domain")["method"] == "eagle3"  # vLLM serves the head; cartspec combines
