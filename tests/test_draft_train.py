@@ -92,3 +92,20 @@ def test_resume_matches_uninterrupted_run(tiny_features, tiny_llama_dir, tmp_pat
     logs.clear()
     train_head(tiny_features, tiny_llama_dir, tmp_path / "b", cfg(steps=2, save_every=3, lr=1e-4), log=logs.append)
     assert any("starting over" in m for m in logs)
+
+
+def test_the_head_trains_without_bf16_autocast_where_bf16_would_be_emulated(tiny_features, tiny_llama_dir,
+                                                                            tmp_path, monkeypatch):
+    """On an AVX2-only CPU bf16 autocast is emulated (over ten times slower per step): the trainer computes in
+    float32 there, and its log says so; where bf16 is native it autocasts."""
+    from cartspec.draft import train as train_mod
+
+    calls = []
+    real_autocast = torch.autocast
+    monkeypatch.setattr(torch, "autocast", lambda *a, **k: calls.append(k.get("dtype")) or real_autocast(*a, **k))
+    monkeypatch.setattr(train_mod, "compute_dtype", lambda device: torch.float32)
+    _, summary = train_head(tiny_features, tiny_llama_dir, tmp_path / "f32", cfg(steps=2))
+    assert summary["compute_dtype"] == "float32" and calls == []
+    monkeypatch.setattr(train_mod, "compute_dtype", lambda device: torch.bfloat16)
+    _, summary = train_head(tiny_features, tiny_llama_dir, tmp_path / "bf16", cfg(steps=2))
+    assert summary["compute_dtype"] == "bfloat16" and calls == [torch.bfloat16]

@@ -128,3 +128,19 @@ def test_an_adaptive_spec_cannot_start_untuned():
     assert sp.label == "eagle3-domain-auto"
     with pytest.raises(ValueError, match="tuned first"):
         sp.vllm_config("/h")
+
+
+def test_training_and_feature_capture_compute_in_the_dtype_the_cpu_runs_natively(cpu, monkeypatch):
+    import torch
+
+    monkeypatch.delenv("CARTSPEC_COMPUTE_DTYPE", raising=False)
+    cpu("avx2")
+    assert engine.compute_dtype("cpu") == torch.float32  # bf16 autocast would be emulated
+    cpu("avx2", "avx512f", "avx512_bf16")
+    assert engine.compute_dtype("cpu") == torch.bfloat16
+    monkeypatch.setenv("CARTSPEC_COMPUTE_DTYPE", "float32")
+    assert engine.compute_dtype("cpu") == torch.float32  # the user's choice wins
+    monkeypatch.setenv("CARTSPEC_COMPUTE_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        engine.compute_dtype("cpu")
+

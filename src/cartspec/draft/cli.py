@@ -212,6 +212,9 @@ def train(
         def on_step(step: int, total: int, rec: dict) -> None:
             accs = " ".join(f"{a:.2f}" if a is not None else "-" for a in rec["acc"])
             pg.update(task, completed=step, total=total, info=f"loss {rec['loss']:.3f} acc/step [{accs}]")
+            if rank == 0 and not console.is_terminal and (step % 10 == 0 or step == total):
+                # a log file gets no live bar: a line every 10 steps
+                console.print(f"train step {step}/{total}: loss {rec['loss']:.3f} acc/step [{accs}]")
 
         head, summary = train_head(fs, model_dir, work, cfg, extra_vocab_tokens=extra_vocab, data_key=data_key,
                                    on_step=on_step, log=log, device=dev)
@@ -244,7 +247,7 @@ Built with
 - training-time test: k={ttt_steps} steps, weights 0.8^step, lr {lr} (cosine), {batch_tokens} tokens/batch,
   {summary['steps']} optimiser steps ({summary['steps_per_epoch']} per epoch){' — stopped early by --max-minutes' if summary['stopped_early'] else ''}
 - per-step accuracy (mean of the last 20 batches, vs the target's greedy token): {summary['acc_per_step_last20']}
-- trained on {dev}{f" with {world} processes ({summary['sharding'].upper()})" if world > 1 else ""}
+- trained on {dev}{f" with {world} processes ({summary['sharding'].upper()})" if world > 1 else ""}, compute dtype {summary.get('compute_dtype', '?')}
 - time on this machine ({torch.get_num_threads()} threads): features {t_feat / 60:.1f} min (incl. regeneration,
   cached on reruns), training {summary['seconds'] / 60:.1f} min, total {total_s / 60:.1f} min
 - training log (loss and accuracy per step, every batch): `training_log.json`

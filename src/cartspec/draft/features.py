@@ -153,7 +153,10 @@ def extract(model_dir: Path, records: list[dict[str, Any]], out_dir: Path, layer
     todo = [k for k, p in enumerate(paths) if not p.exists()]
     if not todo:
         return paths
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
+    from ..serving.engine import compute_dtype
+
+    # bf16 only where it is native; stored as bf16 either way
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=compute_dtype(device)).to(device)
     model.eval()
     done = (n_shards - len(todo)) * shard_size
     for k in todo:

@@ -25,6 +25,7 @@ the same data resumes there, replaying the same batch order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -37,6 +38,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..serving.engine import compute_dtype
 from .features import FeatureSet
 from .head import Eagle3Head, HeadConfig
 
@@ -343,6 +345,9 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
                                    "draft_ids": draft_ids.tolist(), "history": history}))
         tmp.replace(resume)
 
+    # bf16 autocast only where bf16 is native: an AVX2-only CPU would emulate it (serving.engine.compute_dtype)
+    amp_dtype = compute_dtype(device)
+    amp = torch.autocast(device, dtype=amp_dtype) if amp_dtype != torch.float32 else contextlib.nullcontext()
     t0 = time.perf_counter()
     head.train()
     stopped_early = False
@@ -353,7 +358,7 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
         batch = {k: v.to(device) for k, v in make_batch(fs, seqs).items()}
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, total, cfg)
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with amp:
             loss, stats = ttt_loss(head, embed, lm_dv, batch, cfg.ttt_steps, cfg.decay, runner=runner)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -399,6 +404,7 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
     summary["world_size"] = world
     summary["sharding"] = "fsdp" if sharded else ("ddp" if world > 1 else None)
     summary["device"] = device
+    summary["compute_dtype"] = str(amp_dtype).removeprefix("torch.")
     if rank == 0:
         (out_dir / "training_log.json").write_text(json.dumps({"summary": summary, "history": history}))
     return head.cpu(), summary
