@@ -2,7 +2,8 @@
 paying, probes it, and returns when it pays again.
 
 Two deployments of the commerce model share the machine: plain (no speculation) and speculative
-with the *generic* EAGLE-3 head, which does not match the fine-tuned target (about 1% acceptance).
+with the *generic* EAGLE-3 head, which was trained for the base model and does not match the
+fine-tuned target (9% acceptance at γ=3).
 The agent (``cartspec serve --upstream SPEC --plain-upstream PLAIN``, its own process, router off
 so only the fallback moves traffic, cache off so every request reaches a model) sits in front with
 the acceptance fallback on. A few closed-loop clients send a steady stream:

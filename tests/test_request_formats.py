@@ -90,7 +90,14 @@ def test_draft_train_on_a_users_prompt_file(tiny_llama_dir, tmp_path, monkeypatc
     digest = target_digest(tiny_llama_dir)
     head = tmp_path / "home" / "heads" / f"custom-{digest[:8]}"
     assert head_target(head) == {"digest": digest, "name": str(tiny_llama_dir), "path": str(tiny_llama_dir)}
-    assert "target digest " + digest in (head / "PROVENANCE.md").read_text()
+    provenance = (head / "PROVENANCE.md").read_text()
+    assert "target digest " + digest in provenance
+    from cartspec.serving.engine import compute_dtype
+
+    # the dtype the features were captured in is recorded, where the training's compute dtype is too
+    captured = str(compute_dtype("cpu")).removeprefix("torch.")
+    assert f"features captured in\n  {captured}" in provenance
+    assert f"compute dtype {captured}" in provenance
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)

@@ -246,6 +246,8 @@ def build_features(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: 
                    progress: Callable[[int, int], None] | None = None, shard_size: int = 256,
                    device: str = "cpu") -> tuple[Path, list[dict[str, Any]], list[Path]]:
     """Regenerate (cached) and extract (cached, resumable). Returns (dir, records, shards)."""
+    from ..serving.engine import compute_dtype
+
     model_dir = Path(model_dir)
     layer_ids = aux_layer_ids_for(model_dir)
     key = config_digest({"model": model_key(model_dir), "prompts": [list(p) for p in prompts],
@@ -259,5 +261,6 @@ def build_features(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: 
         n_resp = sum(len(r["output_ids"]) for r in records)
         meta.write_text(json.dumps({"model": str(model_dir), "layer_ids": layer_ids, "n": len(records),
                                     "response_tokens": n_resp, "extract_seconds": round(time.perf_counter() - t0, 1),
+                                    "capture_dtype": str(compute_dtype(device)).removeprefix("torch."),
                                     "sampling": sorted({json.dumps(s.as_dict()) for s in sampling})}, indent=2))
     return d, records, shards
