@@ -36,7 +36,8 @@ same draws as the plain generator, and the discarded one is undone, as on a GPU.
 Both fixes are applied by an import hook (``vllm_site/sitecustomize.py``), so
 they reach the API server and the engine-core process, however they are started.
 The same hook wraps the runner's drafting for the hybrid drafter (``hybrid.py``) and
-for schedules' γ = 0 steps (``idle_drafter.py``).
+for schedules' γ = 0 steps (``idle_drafter.py``), and draws the rejection sampler's
+recovered-token noise only where a draft was made (``recovered_noise.py``).
 """
 
 from __future__ import annotations
@@ -174,7 +175,15 @@ def patch_runner_all(mod) -> bool:
     return fixed or hybrid or idle
 
 
-PATCHES = {TARGET_MODULE: patch_module, RUNNER_MODULE: patch_runner_all}
+def patch_rejection_sampler(mod) -> bool:
+    """Recovered-token noise for drafted rows only, on CPU (``recovered_noise.py``)."""
+    from .recovered_noise import patch_module as patch_noise
+
+    return patch_noise(mod)
+
+
+PATCHES = {TARGET_MODULE: patch_module, RUNNER_MODULE: patch_runner_all,
+           "vllm.v1.sample.rejection_sampler": patch_rejection_sampler}
 
 
 class _PatchingLoader(importlib.abc.Loader):
