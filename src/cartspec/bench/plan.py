@@ -120,9 +120,10 @@ PRESETS = ("quick", "paper", "calibrate")
 
 def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPlan:
     """``paper``: the published study's grid, plus n-gram, suffix decoding (where arctic-inference is
-    installed) and the adaptive schedule tuned for this machine. The ``generic`` head is not in it: it
-    is a short stand-in trained for the base model, and its acceptance on the commerce model (~1%)
-    says nothing about an off-the-shelf head; measure it with ``--deployments eagle3:generic:3``.
+    installed) and the adaptive schedule tuned for this machine. The ``generic`` head (off the shelf:
+    trained for the base model on general prompts) is not in it, because a head made for another
+    target is refused without ``--force``; compare it with ``--deployments
+    baseline,eagle3:generic:3,eagle3:domain:3 --force``.
     ``quick``: a taste of it in about 11 minutes on 2 cores, with the hybrid drafter beside the head. ``calibrate``: what the cost model and
     ``cartspec tune`` need on a new machine (the baseline and the head at γ=5 at three loads), in minutes."""
     if name == "paper":
