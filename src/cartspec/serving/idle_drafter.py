@@ -26,7 +26,6 @@ is). ``CARTSPEC_DRAFTER_AT_K0=run`` keeps vLLM's behaviour (for A/B runs).
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 ENV = "CARTSPEC_DRAFTER_AT_K0"
@@ -35,10 +34,9 @@ MODES = ("skip", "run")
 
 def mode() -> str:
     """``skip`` (the default) or ``run`` (vLLM's own behaviour), from ``CARTSPEC_DRAFTER_AT_K0``."""
-    value = os.environ.get(ENV, "skip").strip().lower() or "skip"
-    if value not in MODES:
-        raise ValueError(f"{ENV} must be one of {MODES}, got {value!r}")
-    return value
+    from .vllm_fixes import env_mode
+
+    return env_mode(ENV, MODES)
 
 
 def skips(runner, scheduler_output) -> bool:

@@ -34,7 +34,6 @@ Applied by the import hook in ``vllm_fixes`` to every vLLM server cartspec start
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 MODULE = "vllm.v1.sample.rejection_sampler"
@@ -44,10 +43,9 @@ MODES = ("drafted", "vllm")
 
 def mode() -> str:
     """``drafted`` (the default: noise for drafted rows only) or ``vllm`` (vLLM's own), from the environment."""
-    value = os.environ.get(ENV, "drafted").strip().lower() or "drafted"
-    if value not in MODES:
-        raise ValueError(f"{ENV} must be one of {MODES}, got {value!r}")
-    return value
+    from .vllm_fixes import env_mode
+
+    return env_mode(ENV, MODES)
 
 
 def exponential_noise(num_draft_tokens, vocab_size: int, generators: dict, dtype=None):

@@ -45,9 +45,18 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import os
 import sys
 import types
 from pathlib import Path
+
+def env_mode(name: str, modes: tuple[str, ...]) -> str:
+    """A patch's switch from the environment: ``modes[0]`` (the patch) when unset, else one of ``modes``."""
+    value = os.environ.get(name, modes[0]).strip().lower() or modes[0]
+    if value not in modes:
+        raise ValueError(f"{name} must be one of {modes}, got {value!r}")
+    return value
+
 
 TARGET_MODULE = "vllm.utils.cpu_triton_utils"
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
