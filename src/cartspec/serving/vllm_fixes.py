@@ -50,6 +50,7 @@ import sys
 import types
 from pathlib import Path
 
+
 def env_mode(name: str, modes: tuple[str, ...]) -> str:
     """A patch's switch from the environment: ``modes[0]`` (the patch) when unset, else one of ``modes``."""
     value = os.environ.get(name, modes[0]).strip().lower() or modes[0]
