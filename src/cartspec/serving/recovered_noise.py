@@ -77,13 +77,13 @@ def patch_module(mod) -> bool:
     if (getattr(mod, "_cartspec_recovered_noise", False) or not hasattr(mod, "sample_recovered_tokens")
             or mode() == "vllm"):
         return False
+    import torch  # imported once here, not on every verify step
+
     original = mod.sample_recovered_tokens
 
     @functools.wraps(original)
     def sample_recovered_tokens(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
                                 draft_probs, target_probs, sampling_metadata, device, use_fp64_gumbel=False):
-        import torch
-
         if use_fp64_gumbel or torch.device(device).type != "cpu":
             return original(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids, draft_probs,
                             target_probs, sampling_metadata, device, use_fp64_gumbel)
