@@ -85,8 +85,9 @@ def test_presets_match_the_published_grid(monkeypatch, suffix):
     p = preset("paper")
     # the published study's deployments, then n-gram, suffix decoding where it is installed, and the
     # schedule tuned here
-    assert [d.label for d in p.deployments] == ["baseline", "eagle3-domain-g3", "eagle3-domain-g5", "ngram-g3",
-                                                *(["suffix-g3"] if suffix else []), "eagle3-domain-auto"]
+    assert [d.label for d in p.deployments] == ["baseline", "eagle3-domain-g3", "eagle3-domain-g5",
+                                                "eagle3-domain-auto", "ngram-g3", *(["suffix-g3"] if suffix else [])]
+    assert p.interleave == 4  # the four deployments the adaptive verdict compares are measured side by side
     assert p.concurrencies == [1, 2, 4, 8, 16, 32] and p.temperatures == [0.0, 0.5]
     assert len(p.all_points()) == 12 * len(p.deployments)
     q = preset("quick")
@@ -300,3 +301,70 @@ def test_reply_scoring_returns_scores_and_leaves_the_records_alone():
     assert [(r.task, r.exact) for r in scored] == [("search", True), ("search", None), (None, None), (None, None)]
     assert scored[2] is records[2] and scored[0] is not records[0]
     assert [r.model_dump() for r in records] == before
+
+
+def _measured_order(out: Path) -> list[tuple[str, int]]:
+    """(deployment, concurrency) of every point of a run, in the order it was measured."""
+    rows = [json.loads(ln) for ln in results_path(out).read_text().splitlines() if ln.strip()]
+    return [(r["config"]["deployment"], r["config"]["concurrency"]) for r in rows]
+
+
+def test_interleaved_sweep_measures_every_point_on_all_deployments_in_rotating_order(tmp_path):
+    starts: list[str] = []
+    launcher = fake_launcher(tmp_path, {}, starts=starts)
+    p = plan("baseline", "ngram:3", "ngram:5", concurrencies=[1, 2, 4], interleave=3)
+    results = run_sweep(p, tmp_path / "run", launcher=launcher)
+    assert all(r.status == "ok" for r in results) and len(results) == 9
+    assert starts == ["baseline", "ngram-g3", "ngram-g5"]  # each started once, all up together
+    order = _measured_order(tmp_path / "run")
+    # cell by cell: every deployment at c=1, then every one at c=2, ...; who goes first rotates
+    assert [c for _, c in order] == [1, 1, 1, 2, 2, 2, 4, 4, 4]
+    assert [d for d, _ in order] == ["baseline", "ngram-g3", "ngram-g5", "ngram-g3", "ngram-g5", "baseline",
+                                     "ngram-g5", "baseline", "ngram-g3"]
+    # what the run records says so, and the servers were told to size their KV cache to share the host
+    manifest = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert manifest["plan"]["interleave"] == 3
+    assert all(d.get("kv_cache_fit") for d in manifest["plan"]["deployments"])
+    # a rerun finds everything done and starts nothing
+    starts.clear()
+    run_sweep(p, tmp_path / "run", launcher=launcher)
+    assert starts == []
+
+
+def test_interleaved_sweep_restarts_a_dead_server_once_and_the_others_go_on(tmp_path):
+    starts: list[str] = []
+    launcher = fake_launcher(tmp_path, {"ngram-g3": FakeConfig(tokens=40, itl_s=0.05)},
+                             die_after_s={"ngram-g3": 0.4}, starts=starts)
+    p = plan("baseline", "ngram:3", f"eagle3:{tmp_path / 'no-such-head'}:3", "ngram:5", interleave=4)
+    by: dict[str, list] = {}
+    for r in run_sweep(p, tmp_path / "run", launcher=launcher):
+        by.setdefault(r.config.deployment, []).append(r)
+    assert [r.status for r in by["baseline"]] == ["ok", "ok"]
+    assert [r.status for r in by["ngram-g5"]] == ["ok", "ok"]
+    assert [r.status for r in by["ngram-g3"]] == ["failed", "failed"]
+    assert "simulated engine crash" in by["ngram-g3"][0].reason
+    assert starts.count("ngram-g3") == 2  # restarted once, then given up
+    head = next(rs for d, rs in by.items() if d.startswith("eagle3"))
+    assert [r.status for r in head] == ["failed", "failed"] and "did not start" in head[0].reason
+
+
+def test_interleaved_sweep_starts_no_server_the_memory_left_cannot_hold(tmp_path, monkeypatch):
+    from cartspec.bench import sweep as sweep_mod
+
+    free = [10.0]  # GiB; every start takes 4, every stop gives it back
+
+    @contextlib.contextmanager
+    def launch(spec, log_dir):
+        free[0] -= 4
+        with fake_launcher(tmp_path, {})(spec, log_dir) as dep:
+            yield dep
+        free[0] += 4
+
+    monkeypatch.setattr(sweep_mod, "_available_gib", lambda: free[0])
+    p = plan("baseline", "ngram:3", "ngram:5", "ngram:7", interleave=4)
+    results = run_sweep(p, tmp_path / "run", launcher=launch)
+    assert all(r.status == "ok" for r in results) and len(results) == 8
+    # 10 GiB: two servers (4 + 4, then 2 left < 4 + 1 margin); the other two as a second group
+    assert [d for d, _ in _measured_order(tmp_path / "run")] == [
+        "baseline", "ngram-g3", "ngram-g3", "baseline", "ngram-g5", "ngram-g7", "ngram-g7", "ngram-g5"]
+    assert free[0] == 10.0  # every server stopped

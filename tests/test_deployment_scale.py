@@ -52,3 +52,39 @@ def test_the_hybrid_anchor_example_reaches_the_servers_environment():
     env = s.speculative.server_env()
     assert HybridConfig.from_env(env[ENV]) == HybridConfig(n_min=3, n_max=4, rule="anchor", scope="prompt")
     assert s.speculative.vllm_config("/heads/domain")["method"] == "eagle3"  # vLLM serves the head; cartspec combines
+
+
+def _config(path: Path, layers: int, kv_heads: int, head_dim: int) -> Path:
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"num_hidden_layers": layers, "num_attention_heads": 9,
+                                                  "num_key_value_heads": kv_heads, "head_dim": head_dim,
+                                                  "hidden_size": 576}))
+    return path
+
+
+def test_a_kv_cache_that_fits_is_sized_from_the_model(tmp_path):
+    from cartspec.serving.engine import kv_cache_gib
+
+    smol = _config(tmp_path / "smol", 30, 3, 64)  # SmolLM2-135M: 46,080 bytes a token in float32
+    assert kv_cache_gib(smol, "float32", 32, 1024) == 2  # 1.41 GiB, a quarter spare
+    assert kv_cache_gib(smol, "bfloat16", 32, 1024) == 1
+    assert kv_cache_gib(smol, "float32", 256, 4096) == 57  # it grows with what it must hold
+    big = _config(tmp_path / "big", 32, 8, 128)  # an 8B Llama: 128 KiB a token in bf16
+    assert kv_cache_gib(big, "bfloat16", 32, 1024) == 5
+
+
+def test_a_server_told_to_fit_its_kv_cache_gets_that_size_and_a_users_setting_wins(tmp_path, monkeypatch):
+    from cartspec.serving import server as server_mod
+    from cartspec.serving.server import VllmServer
+
+    monkeypatch.setattr(server_mod, "has_cuda", lambda: False)
+    smol = _config(tmp_path / "smol", 30, 3, 64)
+    spec = DeploymentSpec(model=str(smol), dtype="float32")
+    assert VllmServer(spec, model_dir=smol).environment().get("VLLM_CPU_KVCACHE_SPACE") in (None, "4")
+    fit = spec.model_copy(update={"kv_cache_fit": True})
+    assert VllmServer(fit, model_dir=smol).environment()["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    own = fit.model_copy(update={"env": {"VLLM_CPU_KVCACHE_SPACE": "8"}})
+    assert VllmServer(own, model_dir=smol).environment()["VLLM_CPU_KVCACHE_SPACE"] == "8"
+    assert "kv_cache_fit" not in spec.model_dump(mode="json")  # unset: older results keep their keys

@@ -119,6 +119,10 @@ def study(
                                                    "OpenAI-compatible endpoint, or 'local' to start one (slow on CPU); "
                                                    "default: structured tests only"),
     force: bool = typer.Option(False, "--force", help="measure heads trained for another target anyway (warns)"),
+    interleave: Optional[int] = typer.Option(
+        None, min=1, help="servers up at once, measured in turn at every point so that the host's drift lands on "
+                          "all alike (default: the preset's; paper 4; fewer when memory runs short); 1: one "
+                          "deployment after another"),
 ) -> None:
     """Run the speculative-decoding study (sweep, then report) and print a verdict."""
     from ..report.build import build_report
@@ -187,6 +191,7 @@ def study(
     plan.slo_e2el_s = slo
     plan.seed = seed
     plan.samples = samples
+    plan.interleave = interleave or plan.interleave
     out = out or Path("runs") / f"study-{preset}"
     n_points = len(plan.all_points())
     if not server:

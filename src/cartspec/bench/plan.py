@@ -31,6 +31,9 @@ class SweepPlan(BaseModel):
     samples: int = Field(1, ge=1, description="replies per request (paired seeds): at T > 0 several samples per "
                                               "request make the paired quality tests conclusive sooner")
     slo_e2el_s: float = 2.0
+    interleave: int = Field(1, ge=1, description="servers up at once, measured in turn at each point (the order "
+                                                  "rotating from point to point) so that a drift of the host lands "
+                                                  "on every deployment alike; 1: one deployment after another")
     server_url: str | None = Field(None, description="measure this running endpoint instead of starting vLLM")
     served_name: str | None = None
 
@@ -129,10 +132,14 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
     if name == "paper":
         return SweepPlan(name="paper", deployments=[
             baseline(model), spec_deployment(model, "eagle3", 3, head),
-            spec_deployment(model, "eagle3", 5, head), spec_deployment(model, "ngram", 3),
-            *([spec_deployment(model, "suffix", 3)] if suffix_available() else []),
-            adaptive_deployment(model, head)],
+            spec_deployment(model, "eagle3", 5, head), adaptive_deployment(model, head),
+            spec_deployment(model, "ngram", 3),
+            *([spec_deployment(model, "suffix", 3)] if suffix_available() else [])],
             concurrencies=[1, 2, 4, 8, 16, 32], temperatures=[0.0, 0.5],
+            # the baseline, the head at γ 3 and 5 and the adaptive schedule up at once (about 4.8 GB each
+            # with the bundled model in float32), measured in turn at every point: the adaptive-vs-fixed and
+            # speculative-vs-baseline ratios are then free of the host's drift; n-gram and suffix follow
+            interleave=4,
             # 10..64 requests per point: about half an hour on 2 CPU cores; points are paired (the same
             # requests on every deployment), so ratios stay tight even with few requests.
             requests_per_stream=2, min_requests=10, max_tokens=96)

@@ -95,7 +95,8 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if not plan.server_url:  # record (and key points by) the dtype that runs, not "auto"
-        plan = plan.model_copy(update={"deployments": [d.resolved() for d in plan.deployments]})
+        plan = plan.model_copy(update={"deployments": [_shares_host(d.resolved(), plan.interleave)
+                                                       for d in plan.deployments]})
     reporter = reporter or SilentReporter()
     machine = Machine.here()
     write_run_file(out, plan, machine, api_key_env)
@@ -106,6 +107,7 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
     t0 = time.monotonic()
     measured = 0
     try:
+        todo: list[tuple[DeploymentSpec, list[PointConfig]]] = []
         for spec in plan.deployments:
             label = spec.label
             if plan.server_url and spec.speculative.method == "none" and len(plan.deployments) == 1 \
@@ -126,11 +128,146 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
             if not pending:
                 reporter.deployment(label, "done")
                 continue
-            measured += _run_deployment(plan, spec, pending, out, machine, launcher, reporter, api_key)
+            if plan.interleave > 1 and not plan.server_url:
+                todo.append((spec, pending))
+            else:
+                measured += _run_deployment(plan, spec, pending, out, machine, launcher, reporter, api_key)
+        while todo:  # interleaved: as many servers at once as the plan and the host's memory allow
+            measured += _run_interleaved(plan, todo, out, machine, launcher, reporter, api_key)
     finally:
         reporter.stop()
         finish_run_file(out, time.monotonic() - t0, measured, skipped)
     return load_results(out)
+
+
+def _shares_host(spec: DeploymentSpec, servers: int) -> DeploymentSpec:
+    """``spec`` made to share the host with ``servers - 1`` other servers: a KV cache sized to what it
+    holds (CPU) or its share of each GPU's memory, unless the spec sets its own."""
+    if servers <= 1:
+        return spec
+    from ..serving.engine import has_cuda
+
+    if has_cuda():
+        if spec.gpu_memory_utilization is None:
+            return spec.model_copy(update={"gpu_memory_utilization": round(0.85 / servers, 3)})
+        return spec
+    return spec if spec.kv_cache_fit is not None else spec.model_copy(update={"kv_cache_fit": True})
+
+
+# Memory an interleaved group keeps free beyond what its last server took (GiB).
+_MEMORY_MARGIN_GIB = 1.0
+
+
+def _available_gib() -> float:
+    import psutil
+
+    return psutil.virtual_memory().available / 2**30
+
+
+def _run_interleaved(plan: SweepPlan, todo: list[tuple[DeploymentSpec, list[PointConfig]]], out: Path,
+                     machine: Machine, launcher: Launcher | None, reporter: Reporter,
+                     api_key: str | None) -> int:
+    """Start up to ``plan.interleave`` of the deployments in ``todo`` (fewer when the host's memory would not
+    hold another: a server is started only while the memory left exceeds what the last one took), then measure
+    each point of the grid on every started deployment in turn, the order rotating from one point to the next.
+    Started deployments are removed from ``todo``; returns the number of points recorded."""
+    measured = 0
+    group: list[_Live] = []
+    with contextlib.ExitStack() as stack:
+        took = 0.0
+        while todo and len(group) < plan.interleave:
+            if group and _available_gib() < took + _MEMORY_MARGIN_GIB:
+                reporter.deployment(todo[0][1][0].deployment,
+                                    f"deferred to the next group: {_available_gib():.1f} GiB free, the last server took {took:.1f}")
+                break
+            spec, pending = todo.pop(0)
+            before = _available_gib()
+            live = _Live(plan, spec, pending, out, launcher, reporter, api_key, machine)
+            stack.callback(live.stop)
+            if live.start():
+                group.append(live)
+                took = max(0.0, before - _available_gib())
+            else:
+                measured += live.fail_rest(live.reason)
+        cells: list[tuple] = []
+        for live in group:
+            for cfg in live.pending:
+                if _cell(cfg) not in cells:
+                    cells.append(_cell(cfg))
+        for i, cell in enumerate(cells):
+            k = i % max(len(group), 1)
+            for live in group[k:] + group[:k]:
+                cfg = next((c for c in live.pending if _cell(c) == cell), None)
+                if cfg is not None:
+                    measured += live.measure(cfg)
+    return measured
+
+
+def _cell(cfg: PointConfig) -> tuple:
+    """What a point is apart from its deployment: the grid cell every deployment is measured at."""
+    return (cfg.request_set, cfg.temperature, cfg.mode, cfg.concurrency, cfg.rate)
+
+
+class _Live:
+    """One deployment of an interleaved group: its server, its pending points, one restart after a death."""
+
+    def __init__(self, plan: SweepPlan, spec: DeploymentSpec, pending: list[PointConfig], out: Path,
+                 launcher: Launcher | None, reporter: Reporter, api_key: str | None, machine: Machine):
+        self.plan, self.spec, self.pending, self.out = plan, spec, list(pending), out
+        self.launcher, self.reporter, self.api_key, self.machine = launcher, reporter, api_key, machine
+        self.label = pending[0].deployment
+        self.stack: contextlib.ExitStack | None = None
+        self.ep: Endpoint | None = None
+        self.info: DeploymentInfo | None = None
+        self.restarts = 0
+        self.reason = ""
+
+    def start(self) -> bool:
+        self.reporter.deployment(self.label, "starting")
+        self.stack = contextlib.ExitStack()
+        try:
+            self.ep = self.stack.enter_context(_endpoint(self.plan, self.spec, self.out, self.launcher, self.label,
+                                                         self.api_key))
+        except Exception as exc:  # a missing head, an engine that rejects the config...
+            self.stop()
+            self.reason = f"deployment did not start: {getattr(exc, 'reason', None) or exc}"
+            self.reporter.deployment(self.label, "failed")
+            return False
+        self.info = self.ep.describe()
+        self.reporter.deployment(self.label, "running")
+        return True
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            self.stack.close()
+        self.stack, self.ep = None, None
+
+    def _record(self, res: PointResult) -> None:
+        append_result(self.out, res)
+        self.reporter.point_finished(res)
+
+    def fail_rest(self, reason: str) -> int:
+        for cfg in self.pending:
+            self._record(PointResult.failed(cfg, reason[:2000], machine=self.machine, deployment=self.info))
+        n, self.pending = len(self.pending), []
+        return n
+
+    def measure(self, cfg: PointConfig) -> int:
+        """Measure ``cfg`` (recorded either way); a server that died is restarted once, then its points fail."""
+        if self.ep is None:
+            return 0
+        res = _measure(cfg, self.ep, self.info, self.machine, self.reporter)
+        self._record(res)
+        self.pending.remove(cfg)
+        if res.status == "failed" and not self.ep.alive():
+            died = self.ep.died_reason()
+            self.stop()
+            self.restarts += 1
+            if self.restarts > 1:
+                return 1 + self.fail_rest(f"server died twice: {died}")
+            if not self.start():
+                return 1 + self.fail_rest(self.reason)
+        return 1
 
 
 def _tuned(plan: SweepPlan, spec: DeploymentSpec, out: Path, launcher: Launcher | None,

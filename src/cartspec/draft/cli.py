@@ -13,6 +13,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from ..progress import LoggedProgress
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="EAGLE-3 draft heads: train them for the served target, measure acceptance.")
 console = Console(stderr=True)
@@ -38,8 +40,9 @@ class _quiet:  # a progress display that shows nothing (ranks > 0 under torchrun
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console, transient=False)
+    """A bar in a terminal; a line per tenth of the work (or per 30 s) in a log file."""
+    return LoggedProgress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          TimeRemainingColumn(), TextColumn("{task.fields[info]}"), console=console, transient=False)
 
 
 def _prompts(kind: str, tok, n: int, seed: int) -> tuple[list[list[int]], str]:
@@ -212,9 +215,6 @@ def train(
         def on_step(step: int, total: int, rec: dict) -> None:
             accs = " ".join(f"{a:.2f}" if a is not None else "-" for a in rec["acc"])
             pg.update(task, completed=step, total=total, info=f"loss {rec['loss']:.3f} acc/step [{accs}]")
-            if rank == 0 and not console.is_terminal and (step % 10 == 0 or step == total):
-                # a log file gets no live bar: a line every 10 steps
-                console.print(f"train step {step}/{total}: loss {rec['loss']:.3f} acc/step [{accs}]")
 
         head, summary = train_head(fs, model_dir, work, cfg, extra_vocab_tokens=extra_vocab, data_key=data_key,
                                    on_step=on_step, log=log, device=dev)

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from .engine import engine_env, engine_versions, resolve_dtype
+from .engine import engine_env, engine_versions, has_cuda, kv_cache_gib, resolve_dtype
 from .spec import DeploymentSpec
 from .vllm_fixes import SITE_DIR
 
@@ -183,6 +183,19 @@ class VllmServer:
                     "--per-request-spec-decode-metrics", "detailed"]
         return cmd + s.scale_args() + list(s.engine_args)
 
+    def environment(self) -> dict[str, str]:
+        """The vLLM process's environment: ours, the engine's defaults, the speculation's and the spec's."""
+        env = {**os.environ, **engine_env(), **self.spec.speculative.server_env(), **self.spec.env}
+        if self.spec.kv_cache_fit and not has_cuda() and "VLLM_CPU_KVCACHE_SPACE" not in self.spec.env:
+            model, head = self._resolve()
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib(model, resolve_dtype(self.spec.dtype),
+                                                             self.spec.max_num_seqs, self.spec.max_model_len, head))
+        if self.spec.speculative.method != "hybrid":
+            env.pop("CARTSPEC_HYBRID", None)  # a hybrid setting left in our environment must not change this one
+        # Our fixes for the engine's own bugs load in every vLLM process (vllm_fixes.py).
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
+        return env
+
     # --- lifecycle --------------------------------------------------------
     @property
     def url(self) -> str:
@@ -191,11 +204,7 @@ class VllmServer:
     def start(self) -> "VllmServer":
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
-        env = {**os.environ, **engine_env(), **self.spec.speculative.server_env(), **self.spec.env}
-        if self.spec.speculative.method != "hybrid":
-            env.pop("CARTSPEC_HYBRID", None)  # a hybrid setting left in our environment must not change this one
-        # Our fixes for the engine's own bugs load in every vLLM process (vllm_fixes.py).
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
+        env = self.environment()
         self._log = self.log_path.open("w")
         self._log.write("$ " + " ".join(cmd) + "\n")
         self._log.flush()

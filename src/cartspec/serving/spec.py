@@ -134,7 +134,7 @@ class Speculative(BaseModel):
 
 
 SCALE_FIELDS = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "enable_prefix_caching",
-                "quantization")
+                "quantization", "kv_cache_fit")
 
 
 class DeploymentSpec(FileModel):
@@ -161,6 +161,9 @@ class DeploymentSpec(FileModel):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="share of each GPU's memory vLLM takes")
     enable_prefix_caching: bool | None = Field(None, description="reuse the KV cache of shared prompt prefixes")
     quantization: str | None = Field(None, description="vLLM's --quantization (fp8, awq, gptq, ...)")
+    kv_cache_fit: bool | None = Field(None, description="on CPU, a KV cache that just holds max_num_seqs x "
+                                      "max_model_len tokens instead of 4 GiB, so several servers share one host "
+                                      "(an interleaved study); VLLM_CPU_KVCACHE_SPACE in env wins")
 
     @model_validator(mode="after")
     def _typed_not_raw(self) -> "DeploymentSpec":
