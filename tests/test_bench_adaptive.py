@@ -58,6 +58,20 @@ def test_the_runs_own_points_win_over_an_older_cached_schedule(home, tmp_path):
     assert again.speculative.schedule == tuned.speculative.schedule
 
 
+def test_a_resumed_run_keeps_the_schedule_its_adaptive_points_were_measured_with(home, tmp_path):
+    from cartspec.bench.plan import SweepPlan
+    from cartspec.results import PointResult, append_result
+
+    spec = parse_deployment("eagle3:domain:auto", "commerce").model_copy(update={"dtype": "float32"})
+    first = adaptive.adaptive_spec(spec, [(1, 3, 2), (4, 64, 0)])  # what the first invocation ran
+    run = write_run(tmp_path / "run", sweep())  # points that alone would tune another schedule
+    cfg = SweepPlan(deployments=[first]).points(first)[0]
+    append_result(run, PointResult.failed(cfg, "killed mid-run"))
+    tuned = adaptive.resolve_adaptive(spec, run, _calibrate_never, log=lambda m: None)
+    assert tuned.speculative.schedule == [(1, 3, 2), (4, 64, 0)]
+    assert tuned.label == cfg.deployment  # the same row: its points' keys still match
+
+
 def test_without_points_it_calibrates_first(home, tmp_path):
     calls = []
 

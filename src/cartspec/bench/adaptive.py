@@ -1,8 +1,10 @@
 """Adaptive deployments in a study: the γ-per-batch-size schedule tuned for this machine.
 
-A deployment labelled ``eagle3:HEAD:auto`` has no fixed γ. When the study reaches it,
-its schedule comes from, in order:
+A deployment labelled ``eagle3:HEAD:auto`` has no fixed γ. When the study reaches it (an
+interleaved study: before any server starts), its schedule comes from, in order:
 
+0. this run's points of that deployment, when an earlier invocation measured some: a resumed
+   run goes on with the schedule it started with;
 1. this run's own points, when they hold the baseline and that head at two or more loads
    (the ``paper`` preset measures them before the adaptive row): measured minutes ago on this
    machine, they beat any earlier tuning;
@@ -80,10 +82,17 @@ def resolve_adaptive(spec: DeploymentSpec, run_dir: Path, calibrate: Callable[[D
     sp = spec.speculative
     if not sp.adaptive or sp.schedule:
         return spec
+    results = load_results(run_dir)
+    for r in reversed(results):  # a resumed run keeps the schedule its first points were measured with
+        was = (r.config.spec or {}).get("speculative") or {}
+        if r.config.deployment == spec.label and was.get("adaptive") and was.get("schedule"):
+            schedule = [tuple(s) for s in was["schedule"]]
+            log(f"adaptive {sp.label}: schedule {schedule}, as this run's earlier points were measured with")
+            return adaptive_spec(spec, schedule)
     key = cache_key(spec)
     cached = tune_dir() / f"{key}.yaml"
     try:
-        out = tune_from(load_results(run_dir), spec)
+        out = tune_from(results, spec)
         source = f"tuned from this run's points ({run_dir})"
     except ValueError as exc:
         if cached.exists():

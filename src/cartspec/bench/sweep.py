@@ -107,8 +107,9 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
     t0 = time.monotonic()
     measured = 0
     try:
-        todo: list[tuple[DeploymentSpec, list[PointConfig]]] = []
-        for spec in plan.deployments:
+        def prepare(spec: DeploymentSpec) -> tuple[DeploymentSpec, list[PointConfig]] | None:
+            """The deployment as it will run (an adaptive one tuned) and its unfinished points; None: nothing
+            to measure (all done, or failed here and recorded)."""
             label = spec.label
             if plan.server_url and spec.speculative.method == "none" and len(plan.deployments) == 1 \
                     and spec.model != "commerce":
@@ -123,17 +124,23 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
                         res = PointResult.failed(cfg, reason[:2000], machine=machine)
                         append_result(out, res)
                         reporter.point_finished(res)
-                    continue
+                    return None
             pending = [p for p in plan.points(spec, label) if p.key not in done]
             if not pending:
                 reporter.deployment(label, "done")
-                continue
-            if plan.interleave > 1 and not plan.server_url:
-                todo.append((spec, pending))
-            else:
-                measured += _run_deployment(plan, spec, pending, out, machine, launcher, reporter, api_key)
-        while todo:  # interleaved: as many servers at once as the plan and the host's memory allow
-            measured += _run_interleaved(plan, todo, out, machine, launcher, reporter, api_key)
+                return None
+            return spec, pending
+
+        if plan.interleave > 1 and not plan.server_url:
+            # every schedule is tuned before any server of the group starts
+            todo = [x for x in map(prepare, plan.deployments) if x is not None]
+            while todo:  # as many servers at once as the plan and the host's memory allow
+                measured += _run_interleaved(plan, todo, out, machine, launcher, reporter, api_key)
+        else:
+            for spec in plan.deployments:  # an adaptive deployment is tuned when reached: from this run's points
+                ready = prepare(spec)
+                if ready is not None:
+                    measured += _run_deployment(plan, *ready, out, machine, launcher, reporter, api_key)
     finally:
         reporter.stop()
         finish_run_file(out, time.monotonic() - t0, measured, skipped)
