@@ -126,6 +126,7 @@ def test_failed_deployment_and_dead_server_are_recorded_and_the_sweep_goes_on(tm
     rep = build_report(tmp_path / "run")
     html = rep.html.read_text()
     assert "no-such-head" in html and "simulated engine crash" in html
+    assert "deployments measured one after another" in html
     assert "eagle3" in rep.verdict and "Failed deployments" in rep.verdict
     # a rerun retries only what failed
     starts.clear()
@@ -325,6 +326,7 @@ def test_interleaved_sweep_measures_every_point_on_all_deployments_in_rotating_o
     manifest = json.loads((tmp_path / "run" / "run.json").read_text())
     assert manifest["plan"]["interleave"] == 3
     assert all(d.get("kv_cache_fit") for d in manifest["plan"]["deployments"])
+    assert "up to 3 servers up at once" in build_report(tmp_path / "run").html.read_text()
     # a rerun finds everything done and starts nothing
     starts.clear()
     run_sweep(p, tmp_path / "run", launcher=launcher)

@@ -216,6 +216,8 @@ class RunInfo(BaseModel):
     invocations: list[Invocation] = Field(default_factory=list)
     dtypes: list[str] = Field(default_factory=list)
     seconds: float = 0
+    interleave: int = Field(1, description="servers up at once, measured in turn at every point; 1: one "
+                                           "deployment after another (ratios then carry the host's drift)")
 
 
 class StudyAnalysis(BaseModel):
@@ -626,7 +628,8 @@ def analyse(results: list[PointResult], manifest: RunManifest | None = None, run
     return StudyAnalysis(
         run=RunInfo(dir=str(run_dir), preset=manifest.preset, machine=machine, engine=versions,
                     invocations=manifest.invocations,
-                    dtypes=sorted({r.dtype for r in rows if r.dtype}), seconds=manifest.seconds),
+                    dtypes=sorted({r.dtype for r in rows if r.dtype}), seconds=manifest.seconds,
+                    interleave=int(manifest.plan.get("interleave") or 1)),
         slo_e2el_s=slo, target_rps=target, points=rows, capacity=caps, quality_tests=tests,
         published_comparison=comparison, verdict=text, quality=(quality or {}).get("entries", []),
         quality_judge=judge, quality_metric=(quality or {}).get("metric"),
