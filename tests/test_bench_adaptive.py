@@ -72,6 +72,19 @@ def test_a_resumed_run_keeps_the_schedule_its_adaptive_points_were_measured_with
     assert tuned.label == cfg.deployment  # the same row: its points' keys still match
 
 
+def test_an_interleaved_runs_own_points_become_the_cached_schedule_for_the_next_run(home, tmp_path):
+    spec = parse_deployment("eagle3:domain:auto", "commerce").model_copy(update={"dtype": "float32"})
+    ran = adaptive.adaptive_spec(spec, [(1, 64, 1)])  # tuned before the run, from older measurements
+    msgs = []
+    assert adaptive.refresh_cache(ran, tmp_path / "empty-run", log=msgs.append) is None  # nothing to tune from
+    run = write_run(tmp_path / "run", sweep())
+    new = adaptive.refresh_cache(ran, run, log=msgs.append)
+    assert new is not None and new.speculative.gamma_at(32) == 0 and new.speculative.schedule != [(1, 64, 1)]
+    assert "it ran [(1, 64, 1)]" in msgs[-1]
+    again = adaptive.resolve_adaptive(spec, tmp_path / "next-run", _calibrate_never, log=lambda m: None)
+    assert again.speculative.schedule == new.speculative.schedule
+
+
 def test_without_points_it_calibrates_first(home, tmp_path):
     calls = []
 

@@ -107,3 +107,22 @@ def resolve_adaptive(spec: DeploymentSpec, run_dir: Path, calibrate: Callable[[D
     out.save(cached)
     log(f"adaptive {sp.label}: schedule {out.speculative.schedule}, {source}; cached at {cached}")
     return out
+
+
+def refresh_cache(spec: DeploymentSpec, run_dir: Path, log: Callable[[str], None] = print) -> DeploymentSpec | None:
+    """After an interleaved study, whose adaptive row had to run a schedule tuned before it: tune again from
+    this run's fixed-γ points (measured side by side, so free of the host's drift between deployments) and
+    cache that, so ``serve --adaptive`` and the next study run it. None when this run's points cannot tune."""
+    try:
+        out = tune_from(load_results(run_dir), spec.model_copy(update={"speculative": spec.speculative.model_copy(
+            update={"schedule": None})}))
+    except ValueError:
+        return None
+    cached = tune_dir() / f"{cache_key(spec)}.yaml"
+    out.save(cached)
+    ran = spec.speculative.schedule
+    same = [tuple(s) for s in ran or []] == [tuple(s) for s in out.speculative.schedule]
+    log(f"adaptive {spec.speculative.label}: this run's points tune {out.speculative.schedule}"
+        + (" (the schedule it ran)" if same else f" (it ran {ran}); the next study and `serve --adaptive` "
+           "run the new one") + f"; cached at {cached}")
+    return out

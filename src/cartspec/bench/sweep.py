@@ -134,13 +134,19 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
         if plan.interleave > 1 and not plan.server_url:
             # every schedule is tuned before any server of the group starts
             todo = [x for x in map(prepare, plan.deployments) if x is not None]
+            tuned = [spec for spec, _ in todo if spec.speculative.adaptive]
             while todo:  # as many servers at once as the plan and the host's memory allow
-                measured += _run_interleaved(plan, todo, out, machine, launcher, reporter, api_key)
+                measured += _run_group(plan, todo, out, machine, launcher, reporter, api_key)
+            for spec in tuned:  # what this run measured side by side tunes the next run's schedule
+                from .adaptive import refresh_cache
+
+                refresh_cache(spec, out, log=lambda msg, s=spec: reporter.deployment(s.label, msg))
         else:
             for spec in plan.deployments:  # an adaptive deployment is tuned when reached: from this run's points
                 ready = prepare(spec)
                 if ready is not None:
-                    measured += _run_deployment(plan, *ready, out, machine, launcher, reporter, api_key)
+                    measured += _run_group(plan.model_copy(update={"interleave": 1}), [ready], out, machine,
+                                           launcher, reporter, api_key)
     finally:
         reporter.stop()
         finish_run_file(out, time.monotonic() - t0, measured, skipped)
@@ -171,13 +177,13 @@ def _available_gib() -> float:
     return psutil.virtual_memory().available / 2**30
 
 
-def _run_interleaved(plan: SweepPlan, todo: list[tuple[DeploymentSpec, list[PointConfig]]], out: Path,
-                     machine: Machine, launcher: Launcher | None, reporter: Reporter,
-                     api_key: str | None) -> int:
+def _run_group(plan: SweepPlan, todo: list[tuple[DeploymentSpec, list[PointConfig]]], out: Path,
+               machine: Machine, launcher: Launcher | None, reporter: Reporter, api_key: str | None) -> int:
     """Start up to ``plan.interleave`` of the deployments in ``todo`` (fewer when the host's memory would not
     hold another: a server is started only while the memory left exceeds what the last one took), then measure
-    each point of the grid on every started deployment in turn, the order rotating from one point to the next.
-    Started deployments are removed from ``todo``; returns the number of points recorded."""
+    each point of the grid on every started deployment in turn, the order rotating from one point to the next
+    (one deployment: its points in order). Started deployments are removed from ``todo``; returns the number
+    of points recorded."""
     measured = 0
     group: list[_Live] = []
     with contextlib.ExitStack() as stack:
@@ -270,9 +276,11 @@ class _Live:
             died = self.ep.died_reason()
             self.stop()
             self.restarts += 1
+            if self.plan.server_url:  # not ours to restart
+                return 1 + self.fail_rest(died)
             if self.restarts > 1:
                 return 1 + self.fail_rest(f"server died twice: {died}")
-            if not self.start():
+            if self.pending and not self.start():
                 return 1 + self.fail_rest(self.reason)
         return 1
 
@@ -294,50 +302,6 @@ def _endpoint(plan: SweepPlan, spec: DeploymentSpec, out: Path, launcher: Launch
         return endpoint(plan.server_url, log_dir=out / "logs", api_key=api_key, served_name=plan.served_name,
                         runs=spec, label=label)
     return endpoint(spec, log_dir=out / "logs", launcher=launcher, api_key=api_key)
-
-
-def _run_deployment(plan: SweepPlan, spec: DeploymentSpec, pending: list[PointConfig], out: Path,
-                    machine: Machine, launcher: Launcher | None, reporter: Reporter,
-                    api_key: str | None = None) -> int:
-    """Start one deployment, measure its pending points; a server that dies is restarted once."""
-    label = pending[0].deployment
-    restarts = 0
-    measured = 0
-    info: DeploymentInfo | None = None
-    while pending:
-        reporter.deployment(label, "starting")
-        with contextlib.ExitStack() as stack:
-            try:
-                ep = stack.enter_context(_endpoint(plan, spec, out, launcher, label, api_key))
-            except Exception as exc:  # a missing head, an engine that rejects the config, a refused key...
-                reason = f"deployment did not start: {getattr(exc, 'reason', None) or exc}"
-                reporter.deployment(label, "failed")
-                for cfg in pending:
-                    res = PointResult.failed(cfg, reason[:2000], machine=machine)
-                    append_result(out, res)
-                    reporter.point_finished(res)
-                return measured + len(pending)
-            info = ep.describe()
-            reporter.deployment(label, "running")
-            while pending:
-                cfg = pending[0]
-                res = _measure(cfg, ep, info, machine, reporter)
-                append_result(out, res)
-                reporter.point_finished(res)
-                pending.pop(0)
-                measured += 1
-                if res.status == "failed" and not ep.alive():
-                    break
-        if pending:
-            restarts += 1
-            if restarts > 1 or plan.server_url:
-                reason = "server died twice" if not plan.server_url else ep.died_reason()
-                for cfg in pending:
-                    res = PointResult.failed(cfg, reason, machine=machine, deployment=info)
-                    append_result(out, res)
-                    reporter.point_finished(res)
-                return measured + len(pending)
-    return measured
 
 
 def score_replies(records: Sequence[RequestRecord], requests: Sequence[ChatRequest]) -> list[ItemScore | None]:
