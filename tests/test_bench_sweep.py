@@ -230,6 +230,19 @@ def test_open_loop_points_and_the_cli_against_an_endpoint(tmp_path):
     assert "report:" in res.output and "verdict" in res.output
 
 
+def test_the_cli_sizes_points_by_requests_per_stream(tmp_path):
+    from typer.testing import CliRunner
+
+    from cartspec.cli import app
+
+    with TrivialServer(FakeConfig(tokens=4, itl_s=0.002)) as srv:
+        res = CliRunner().invoke(app, ["study", "--server", srv.url, "--out", str(tmp_path), "--concurrency", "1,4",
+                                       "--requests-per-stream", "3", "--min-requests", "5", "--warmup", "0"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads((tmp_path / "summary.json").read_text())["points"]
+    assert [(r["concurrency"], r["n_requests"]) for r in rows] == [(1, 5), (4, 12)]  # max(5, 3 x c)
+
+
 def test_points_score_their_replies_and_a_deployment_that_answers_wrongly_raises_an_alarm(tmp_path):
     """Fast but wrong must show: every point records JSON validity and, at T=0, agreement with the baseline."""
     good = '{"intent": "search", "keywords": "x"}'

@@ -97,7 +97,12 @@ def study(
     rates: Optional[str] = typer.Option(None, help="open loop instead: Poisson arrival rates in req/s, e.g. 0.5,1,2"),
     temperatures: Optional[str] = typer.Option(None, help="comma list, e.g. 0,0.5"),
     request_sets: Optional[str] = typer.Option(None, "--request-set", help="commerce | search | support | FILE.jsonl (comma list)"),
-    requests: Optional[int] = typer.Option(None, "--requests", help="measured requests per point"),
+    requests: Optional[int] = typer.Option(None, "--requests", help="measured requests per point (default: the "
+                                                                   "preset's per-stream rule below)"),
+    requests_per_stream: Optional[int] = typer.Option(
+        None, "--requests-per-stream", min=1, help="measured requests per point = this x concurrency (at least "
+                                                   "--min-requests): more of them tighten each point's figure"),
+    min_requests: Optional[int] = typer.Option(None, "--min-requests", min=1, help="fewest measured requests per point"),
     duration: Optional[float] = typer.Option(None, help="stop sending new requests in a point after this many seconds"),
     warmup: Optional[int] = typer.Option(None, help="warm-up requests per point (default min(concurrency, 8))"),
     max_tokens: Optional[int] = typer.Option(None, help="max output tokens per request"),
@@ -184,6 +189,8 @@ def study(
     plan.temperatures = _floats(temperatures) or plan.temperatures
     plan.request_sets = [s.strip() for s in request_sets.split(",")] if request_sets else plan.request_sets
     plan.n_requests = requests or plan.n_requests
+    plan.requests_per_stream = requests_per_stream or plan.requests_per_stream
+    plan.min_requests = min_requests or plan.min_requests
     plan.duration_s = duration or plan.duration_s
     plan.warmup = warmup if warmup is not None else plan.warmup
     plan.max_tokens = max_tokens or plan.max_tokens
