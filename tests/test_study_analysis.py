@@ -1,7 +1,10 @@
 """The study's analysis layer against a results file written before it existed.
 
 ``tests/data/study_v1`` holds a cut-down paper run (``make_fixture.py``) as the version before the typed
-analysis wrote it, and ``summary.before.json``: the summary that version's report built from it.
+analysis wrote it, and ``summary.before.json``: the summary that version's report built from it. One
+deliberate change since: the agreement rows' interval, p-value and verdict (``quality_tests``) are the
+quality step's paired equivalence test, whose interval stays about ±3/n wide when no pair differs (it
+was [0, 0], and "preserved" meant only "not worse"); those fields were updated in the fixture.
 """
 
 from __future__ import annotations

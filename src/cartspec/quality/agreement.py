@@ -3,20 +3,21 @@
 Speculative decoding is lossless in exact arithmetic, but kernels and bf16 make
 real runs differ, so this is measured: the candidate's reply to
 each request is compared with the baseline's (exact text, and equal as parsed
-JSON), and the paired difference in exact-match accuracy gets a bootstrap
-interval and an exact McNemar test. The verdict is a statistical statement
-against a stated margin, never "looks the same".
+JSON), and the paired difference in exact-match accuracy gets the quality step's
+paired test (``paired.py``: a cluster-bootstrap interval that stays about ±3/n wide
+when no pair differs, and an exact sign test, McNemar's with one pair per request).
+The verdict is a statistical statement against a stated margin (equivalence:
+the interval inside ±margin), never "looks the same".
 """
 
 from __future__ import annotations
 
 import json
-import math
-import random
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..task.data import Request
+from .paired import paired_test
 from ..task.score import score_item
 
 
@@ -35,16 +36,6 @@ class Agreement:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _mcnemar_exact(b: int, c: int) -> float:
-    """Two-sided exact binomial test on the discordant pairs (b: only baseline right)."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    k = min(b, c)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
 
 
 def _parsed(task: str, text: str) -> str | None:
@@ -87,21 +78,11 @@ def compare_scored(tasks: list[str], baseline: list[str], candidate: list[str], 
     exact = sum(a == b for a, b in zip(baseline, candidate)) / n
     same = sum(_parsed(t, a) == _parsed(t, b) for t, a, b in zip(tasks, baseline, candidate)) / n
     acc_a, acc_b = sum(ok_a) / n, sum(ok_b) / n
-    groups: dict[Any, list[int]] = {}
-    for i, key in enumerate(clusters if clusters is not None else range(n)):
-        groups.setdefault(key, []).append(i)
-    # per cluster: (pairs, net difference in exact matches)
-    units = [(len(ix), sum(ok_b[i] - ok_a[i] for i in ix)) for ix in groups.values()]
-    rng = random.Random(seed)
-    diffs = []
-    for _ in range(n_boot):
-        pick = [units[rng.randrange(len(units))] for _ in units]
-        diffs.append(sum(d for _, d in pick) / sum(m for m, _ in pick))
-    diffs.sort()
-    lo, hi = diffs[int(0.025 * n_boot)], diffs[int(0.975 * n_boot) - 1]
-    b = sum(d < 0 for _, d in units)
-    c = sum(d > 0 for _, d in units)
-    verdict = "preserved" if lo > -margin else "worse" if hi < -margin else "inconclusive"
+    # the interval, p-value and verdict of the quality step's paired test (``quality/paired.py``), so the
+    # report's agreement table and its verdict say the same thing
+    t = paired_test("exact_match", clusters if clusters is not None else list(range(n)),
+                    [float(x) for x in ok_a], [float(x) for x in ok_b], margin=margin, n_boot=n_boot, seed=seed,
+                    sampled=False)
     return Agreement(n=n, exact_text=exact, same_parsed=same, accuracy_baseline=acc_a, accuracy_candidate=acc_b,
-                     diff=acc_b - acc_a, diff_ci95=(lo, hi), mcnemar_p=_mcnemar_exact(b, c), margin=margin,
-                     verdict=verdict)
+                     diff=acc_b - acc_a, diff_ci95=(t.ci_low, t.ci_high), mcnemar_p=t.p_value, margin=margin,
+                     verdict=t.verdict)
