@@ -1,8 +1,10 @@
 """The study's grid: deployment × concurrency (or arrival rate) × temperature × request set.
 
-Each deployment is started once and measured at all its points; every point is
-appended to ``results.jsonl`` as soon as it is measured, so a sweep killed at
-any moment loses at most the point in flight, and a rerun skips what is done.
+Each deployment is started once and measured at all its points: one after
+another, or (``interleave`` > 1) several up at once and measured in turn at every
+point, so that the host's drift lands on all alike. Every point is appended to
+``results.jsonl`` as soon as it is measured, so a sweep killed at any moment loses
+at most the point in flight, and a rerun skips what is done.
 A deployment that does not start (missing head, rejected by vLLM) and a point
 whose server died are recorded as failed with the reason, and the sweep goes on.
 """
@@ -190,8 +192,8 @@ def _run_group(plan: SweepPlan, todo: list[tuple[DeploymentSpec, list[PointConfi
         took = 0.0
         while todo and len(group) < plan.interleave:
             if group and _available_gib() < took + _MEMORY_MARGIN_GIB:
-                reporter.deployment(todo[0][1][0].deployment,
-                                    f"deferred to the next group: {_available_gib():.1f} GiB free, the last server took {took:.1f}")
+                reporter.deployment(todo[0][1][0].deployment, f"deferred to the next group: {_available_gib():.1f} "
+                                                              f"GiB free, the last server took {took:.1f}")
                 break
             spec, pending = todo.pop(0)
             before = _available_gib()
@@ -222,7 +224,7 @@ def _cell(cfg: PointConfig) -> tuple:
 
 
 class _Live:
-    """One deployment of an interleaved group: its server, its pending points, one restart after a death."""
+    """One deployment of a group: its server, its pending points, one restart after a death."""
 
     def __init__(self, plan: SweepPlan, spec: DeploymentSpec, pending: list[PointConfig], out: Path,
                  launcher: Launcher | None, reporter: Reporter, api_key: str | None, machine: Machine):
