@@ -114,8 +114,7 @@ def refresh_cache(spec: DeploymentSpec, run_dir: Path, log: Callable[[str], None
     this run's fixed-γ points (measured side by side, so free of the host's drift between deployments) and
     cache that, so ``serve --adaptive`` and the next study run it. None when this run's points cannot tune."""
     try:
-        out = tune_from(load_results(run_dir), spec.model_copy(update={"speculative": spec.speculative.model_copy(
-            update={"schedule": None})}))
+        out = tune_from(load_results(run_dir), spec)  # the schedule it ran is replaced, not read
     except ValueError:
         return None
     cached = tune_dir() / f"{cache_key(spec)}.yaml"

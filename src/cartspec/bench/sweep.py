@@ -139,9 +139,9 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
             tuned = [spec for spec, _ in todo if spec.speculative.adaptive]
             while todo:  # as many servers at once as the plan and the host's memory allow
                 measured += _run_group(plan, todo, out, machine, launcher, reporter, api_key)
-            for spec in tuned:  # what this run measured side by side tunes the next run's schedule
-                from .adaptive import refresh_cache
+            from .adaptive import refresh_cache
 
+            for spec in tuned:  # what this run measured side by side tunes the next run's schedule
                 refresh_cache(spec, out, log=lambda msg, s=spec: reporter.deployment(s.label, msg))
         else:
             for spec in plan.deployments:  # an adaptive deployment is tuned when reached: from this run's points
@@ -191,12 +191,13 @@ def _run_group(plan: SweepPlan, todo: list[tuple[DeploymentSpec, list[PointConfi
     with contextlib.ExitStack() as stack:
         took = 0.0
         while todo and len(group) < plan.interleave:
-            if group and _available_gib() < took + _MEMORY_MARGIN_GIB:
-                reporter.deployment(todo[0][1][0].deployment, f"deferred to the next group: {_available_gib():.1f} "
-                                                              f"GiB free, the last server took {took:.1f}")
+            free = _available_gib()
+            if group and free < took + _MEMORY_MARGIN_GIB:
+                reporter.deployment(todo[0][1][0].deployment, f"deferred to the next group: {free:.1f} GiB free, "
+                                                              f"the last server took {took:.1f}")
                 break
             spec, pending = todo.pop(0)
-            before = _available_gib()
+            before = free
             live = _Live(plan, spec, pending, out, launcher, reporter, api_key, machine)
             stack.callback(live.stop)
             if live.start():
