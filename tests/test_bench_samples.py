@@ -55,13 +55,15 @@ def test_samples_are_paired_by_seed_across_deployments(tmp_path):
     assert len({x.text for x in by["baseline"].records}) == 1
 
 
-def test_a_point_without_samples_keeps_its_key():
-    """Runs measured before --samples existed resume: samples=1 leaves the digest as it was."""
+def test_a_point_without_samples_or_rounds_keeps_its_key():
+    """Runs measured before --samples and --rounds existed resume: 1 of each leaves the digest as it was."""
     cfg = PointConfig(deployment="baseline", method="none", concurrency=1, n_requests=4)
     old = cfg.model_dump(mode="json")
     old.pop("samples")
+    old.pop("rounds")
     assert cfg.key == config_digest(old)
     assert PointConfig(deployment="baseline", method="none", concurrency=1, n_requests=4, samples=2).key != cfg.key
+    assert PointConfig(deployment="baseline", method="none", concurrency=1, n_requests=4, rounds=2).key != cfg.key
 
 
 def test_study_runs_the_quality_tests_after_its_sweep(tmp_path):

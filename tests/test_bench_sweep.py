@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from cartspec.results import DeploymentInfo, load_results, results_path
-from cartspec.bench.sweep import SweepPlan, parse_deployment, preset, run_sweep
+from cartspec.bench.sweep import SilentReporter, SweepPlan, parse_deployment, preset, run_sweep
 from cartspec.testing.trivial_server import FakeConfig, TrivialServer
 from cartspec.report.build import build_report
 
@@ -243,6 +243,21 @@ def test_the_cli_sizes_points_by_requests_per_stream(tmp_path):
     assert [(r["concurrency"], r["n_requests"]) for r in rows] == [(1, 5), (4, 12)]  # max(5, 3 x c)
 
 
+def test_the_cli_measures_in_rounds_and_says_when_slices_pair_with_nothing(tmp_path):
+    from typer.testing import CliRunner
+
+    from cartspec.cli import app
+
+    with TrivialServer(FakeConfig(tokens=4, itl_s=0.002)) as srv:
+        res = CliRunner().invoke(app, ["study", "--server", srv.url, "--out", str(tmp_path), "--concurrency", "1",
+                                       "--requests", "6", "--rounds", "3", "--warmup", "0"])
+    assert res.exit_code == 0, res.output
+    assert "--rounds without --interleave" in " ".join(res.output.split())
+    point, = load_results(tmp_path)
+    assert [s.n_requests for s in point.slices] == [2, 2, 2] and point.beside == []
+    assert json.loads((tmp_path / "run.json").read_text())["plan"]["rounds"] == 3
+
+
 def test_points_score_their_replies_and_a_deployment_that_answers_wrongly_raises_an_alarm(tmp_path):
     """Fast but wrong must show: every point records JSON validity and, at T=0, agreement with the baseline."""
     good = '{"intent": "search", "keywords": "x"}'
@@ -386,3 +401,67 @@ def test_interleaved_sweep_starts_no_server_the_memory_left_cannot_hold(tmp_path
     assert [d for d, _ in _measured_order(tmp_path / "run")] == [
         "baseline", "ngram-g3", "ngram-g3", "baseline", "ngram-g5", "ngram-g7", "ngram-g7", "ngram-g5"]
     assert free[0] == 10.0  # every server stopped
+
+
+def test_slices_split_a_point_into_runs_of_consecutive_requests_with_two_per_stream_at_least():
+    from cartspec.results import PointConfig
+
+    def bounds(n, c, rounds, samples=1):
+        return PointConfig(deployment="x", method="none", concurrency=c, n_requests=n, rounds=rounds,
+                           samples=samples).slice_bounds()
+
+    assert bounds(8, 1, 1) == [(0, 8)]
+    assert bounds(8, 1, 3) == [(0, 2), (2, 3), (5, 3)]
+    assert bounds(20, 4, 4) == [(0, 10), (10, 10)]  # 4 slices of 5 would be bursts of 4 streams that drain
+    assert bounds(4, 8, 4) == [(0, 4)]
+    assert bounds(4, 2, 2, samples=2) == [(0, 4), (4, 4)]  # 8 replies: samples count
+
+
+class _Order(SilentReporter):
+    def __init__(self):
+        self.started: list[tuple[str, int]] = []
+
+    def point_started(self, cfg, part=0):
+        self.started.append((cfg.deployment, part))
+
+
+def test_points_in_rounds_take_turns_slice_by_slice_and_merge_into_the_point_a_single_run_would_give(tmp_path):
+    servers: dict[str, TrivialServer] = {}
+    inner = fake_launcher(tmp_path, {"ngram-g3": FakeConfig(tokens=8, itl_s=0.002)})
+
+    @contextlib.contextmanager
+    def launch(spec, log_dir):
+        with inner(spec, log_dir) as dep:
+            servers[spec.label] = dep.srv
+            yield dep
+
+    order = _Order()
+    p = plan("baseline", "ngram:3", concurrencies=[1, 2], temperatures=[0.5], n_requests=12, warmup=0,
+             interleave=2, rounds=3)
+    results = run_sweep(p, tmp_path / "run", launcher=launch, reporter=order)
+    assert all(r.status == "ok" for r in results) and len(results) == 4
+    # c=1: 3 slices of 4 requests, the first deployment rotating at every slice; c=2: 3 slices of 4 too
+    assert order.started == [("baseline", 0), ("ngram-g3", 0), ("ngram-g3", 1), ("baseline", 1),
+                             ("baseline", 2), ("ngram-g3", 2),
+                             ("ngram-g3", 0), ("baseline", 0), ("baseline", 1), ("ngram-g3", 1),
+                             ("ngram-g3", 2), ("baseline", 2)]
+    # every request of the point once, with the seed a single run gives it, on each server: paired
+    for srv in servers.values():
+        assert srv.counters.seeds[:12] == list(range(12))  # c=1: its slices in order, one request at a time
+        assert sorted(srv.counters.seeds[12:]) == list(range(12))
+    for r in results:
+        assert r.n_requests == 12 and len(r.slices) == 3 and [s.n_requests for s in r.slices] == [4, 4, 4]
+        assert r.wall_s == pytest.approx(sum(s.wall_s for s in r.slices))
+        assert r.output_tokens == sum(s.output_tokens for s in r.slices)
+        starts = [rec.start for rec in r.records]
+        assert starts == sorted(starts) and starts[-1] < r.wall_s  # one clock across the slices
+        assert r.beside == [d for d in ("baseline", "ngram-g3") if d != r.config.deployment]
+    single = run_sweep(p.model_copy(update={"rounds": 1}), tmp_path / "single", launcher=inner)
+    ids = {(r.config.deployment, r.config.concurrency): [x.id for x in sorted(r.records, key=lambda x: x.id)]
+           for r in single}
+    assert {(r.config.deployment, r.config.concurrency): [x.id for x in sorted(r.records, key=lambda x: x.id)]
+            for r in results} == ids
+    assert all(not r.slices for r in single) and all(r.key != s.key for r in results for s in single)
+    # the speculative counters of the slices add up
+    spec = next(r for r in results if r.config.deployment == "ngram-g3" and r.config.concurrency == 1)
+    assert spec.acceptance is not None and spec.acceptance.drafted > 0

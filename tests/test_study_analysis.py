@@ -132,3 +132,63 @@ def test_the_report_renders_from_the_loaded_summary(run_dir, tmp_path):
 
     rep = render_report(StudyAnalysis.load(run_dir), tmp_path)
     assert rep.html.read_text() == (run_dir / "report.html").read_text()
+
+
+def _sliced(deployment: str, method: str, gamma: int | None, throughputs: list[float], schedule=None,
+            beside=("baseline", "eagle3-domain-g3", "eagle3-domain-g5", "eagle3-domain-auto")):
+    """A point at 4 streams, T=0, measured in slices of 100 tokens at the given throughputs, in turn
+    with ``beside``."""
+    from cartspec.results import PointConfig, PointResult, PointSlice, RequestRecord
+
+    spec = {"speculative": {"method": method, "adaptive": schedule is not None, "schedule": schedule}}
+    cfg = PointConfig(deployment=deployment, method=method, gamma=gamma, spec=spec, concurrency=4,
+                      n_requests=8 * len(throughputs), rounds=len(throughputs))
+    slices = [PointSlice(wall_s=100 / t, n_requests=8, output_tokens=100) for t in throughputs]
+    records = [RequestRecord(id=f"r{i}", e2el=1.0, output_tokens=100 // 8, text="{}")
+               for i in range(8 * len(throughputs))]
+    res = PointResult.measured(cfg, records, sum(s.wall_s for s in slices), slices=slices,
+                               beside=[d for d in beside if d != deployment])
+    return res.model_copy(update={"output_tokens": 100 * len(throughputs),
+                                  "output_throughput": 100 * len(throughputs) / res.wall_s})
+
+
+def test_a_ratio_of_points_in_rounds_gets_a_paired_interval_from_their_slices():
+    from cartspec.analysis.study import slice_ratio_ci
+
+    # the host drifts by ±20% from slice to slice, but each pair runs at 1.10 : 1 within ±1%
+    drift = [1.0, 0.8, 1.2, 0.9]
+    a = _sliced("eagle3-domain-g3", "eagle3", 3, [110 * d * e for d, e in zip(drift, [1.01, 0.99, 1.0, 1.0])])
+    b = _sliced("baseline", "none", None, [100 * d for d in drift])
+    lo, hi = slice_ratio_ci(a, b)
+    assert 1.07 < lo < 1.10 < hi < 1.13
+    # pairs that disagree widely give a wide interval; a point not in rounds gives none
+    c = _sliced("eagle3-domain-g5", "eagle3", 5, [110 * d * e for d, e in zip(drift, [1.3, 0.8, 1.2, 0.8])])
+    lo2, hi2 = slice_ratio_ci(c, b)
+    assert lo2 < 0.95 and hi2 > 1.3
+    assert slice_ratio_ci(_sliced("x", "none", None, [100.0]), _sliced("y", "none", None, [90.0])) is None
+    assert slice_ratio_ci(a, _sliced("y", "none", None, [100.0, 90.0])) is None  # slices must pair
+    # slices of a deployment measured in another group (or run) pair with nothing
+    apart = _sliced("eagle3-domain-g3", "eagle3", 3, [110 * d for d in drift], beside=("eagle3-domain-g5",))
+    assert slice_ratio_ci(apart, b) is None
+
+
+def test_the_adaptive_goal_is_met_missed_or_within_the_noise_of_its_slices():
+    from cartspec.analysis.study import adaptive_table, study_rows
+
+    sched = [[1, 64, 0]]  # decodes plainly: the adaptive server is a baseline
+    drift = [1.0, 0.85, 1.1, 0.95]
+    base = _sliced("baseline", "none", None, [100 * d for d in drift])
+    same = _sliced("eagle3-domain-auto", "eagle3", None, [100 * d * e for d, e in zip(drift, [0.97, 1.02, 0.99, 1.0])],
+                   schedule=sched)
+    results = [base, same]
+    row, = adaptive_table(study_rows(results), results)
+    assert row.vs_baseline < 1.0 and not row.meets  # a point estimate alone: missed
+    assert row.within_noise and row.vs_baseline_ci95[0] < 1.0 < row.vs_baseline_ci95[1]
+    # a consistent 10% loss is a miss whatever the noise
+    slow = _sliced("eagle3-domain-auto", "eagle3", None, [90 * d * e for d, e in zip(drift, [0.99, 1.01, 1.0, 1.0])],
+                   schedule=sched)
+    row, = adaptive_table(study_rows([base, slow]), [base, slow])
+    assert not row.meets and row.within_noise is False and row.vs_baseline_ci95[1] < 1.0
+    # the speedup column carries the interval too
+    spec_row = next(r for r in study_rows([base, slow]) if r.speculative)
+    assert spec_row.speedup_ci95 is not None and spec_row.speedup_ci95[1] < 1.0

@@ -83,6 +83,10 @@ class DeploymentInfo(BaseModel):
     log_path: str = ""
 
 
+# The fewest requests per stream in a slice of a point measured in rounds.
+SLICE_REQUESTS_PER_STREAM = 2
+
+
 class PointConfig(BaseModel):
     """Everything that defines one measurement; its digest is the resume key."""
 
@@ -107,13 +111,27 @@ class PointConfig(BaseModel):
     slo_e2el_s: float = 2.0
     samples: int = Field(1, ge=1, description="replies per measured request (sample j of request i gets the same "
                                               "seed on every deployment): n_requests x samples replies in all")
+    rounds: int = Field(1, ge=1, description="measured in this many slices of consecutive requests, the servers "
+                                             "of an interleaved study taking turns at every slice; the slices "
+                                             "merge into the point (see ``slice_bounds``)")
 
     @property
     def key(self) -> str:
         dump = self.model_dump(mode="json")
-        if self.samples == 1:  # points measured before samples existed keep their keys (resume)
-            dump.pop("samples")
+        for name in ("samples", "rounds"):  # points measured before these existed keep their keys (resume)
+            if dump[name] == 1:
+                dump.pop(name)
         return config_digest(dump)
+
+    def slice_bounds(self) -> list[tuple[int, int]]:
+        """(first request, requests) of each slice: ``rounds`` runs of consecutive requests, fewer where a
+        slice would hold less than two requests per stream (a slice of one request per stream is a burst
+        that drains, not the steady load of its concurrency). Request i of the point is request i of one
+        slice whatever the split, with the same seed."""
+        total = self.n_requests * self.samples
+        width = self.concurrency or max(1, round(self.rate or 1))
+        k = max(1, min(self.rounds, total // (SLICE_REQUESTS_PER_STREAM * width)))
+        return [(j * total // k, (j + 1) * total // k - j * total // k) for j in range(k)]
 
     @property
     def load(self) -> str:
@@ -248,6 +266,20 @@ def _mean(values: Iterable[float | None]) -> float | None:
     return float(np.mean(arr)) if arr else None
 
 
+class PointSlice(BaseModel):
+    """One slice of a point measured in rounds: its own wall time and output, so that ratios between
+    deployments can be taken slice by slice (each pair measured back to back)."""
+
+    started_at: str = ""
+    wall_s: float
+    n_requests: int
+    output_tokens: int
+
+    @property
+    def output_throughput(self) -> float | None:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else None
+
+
 class PointResult(BaseModel):
     """One measured (or failed) point: its configuration, aggregates and request records.
 
@@ -287,6 +319,10 @@ class PointResult(BaseModel):
     deployment: DeploymentInfo | None = None
     machine: Machine | None = None
     records: list[RequestRecord] = Field(default_factory=list)
+    slices: list[PointSlice] = Field(default_factory=list, description="a point measured in rounds: each "
+                                     "slice's wall time and output (merged above); empty: one run")
+    beside: list[str] = Field(default_factory=list, description="a point measured in rounds: the deployments "
+                              "whose slices alternated with its own (slice j of each measured back to back)")
 
     @property
     def acceptance_rate(self) -> float | None:

@@ -85,6 +85,9 @@ class StudyRow(BaseModel):
     tau: float | None = None
     acceptance_per_position: list[float] | None = None
     speedup_vs_baseline: float | None = None
+    speedup_ci95: tuple[float, float] | None = Field(None, description="95% interval of the speedup from the "
+                                                     "point's slices, each paired with the baseline's measured "
+                                                     "beside it (points in rounds only)")
     e2el_p50_ratio_vs_baseline: float | None = None
     json_valid: float | None = None
     exact_match: float | None = None
@@ -171,7 +174,12 @@ class AdaptiveRow(BaseModel):
     best_fixed_throughput: float
     vs_best_fixed: float
     vs_baseline: float | None = None
+    vs_best_fixed_ci95: tuple[float, float] | None = Field(None, description="95% interval from the slices "
+                                                           "(points in rounds only)")
+    vs_baseline_ci95: tuple[float, float] | None = None
     meets: bool = Field(..., description="≥ 0.95 × the best fixed deployment and ≥ 1.0 × the baseline")
+    within_noise: bool | None = Field(None, description="missed, but both intervals reach the goal: these "
+                                                        "points cannot tell it from meeting it (rounds only)")
     schedule: list[list[int]] = Field(default_factory=list, description="[first batch size, last, γ] ranges")
 
 
@@ -218,6 +226,7 @@ class RunInfo(BaseModel):
     seconds: float = 0
     interleave: int = Field(1, description="servers up at once, measured in turn at every point; 1: one "
                                            "deployment after another (ratios then carry the host's drift)")
+    rounds: int = Field(1, description="slices per point, the servers taking turns at every slice")
 
 
 class StudyAnalysis(BaseModel):
@@ -282,6 +291,30 @@ def baseline_agreement(r: PointResult, b: PointResult) -> float | None:
     return sum(a == t for a, t in pairs) / len(pairs) if pairs else None
 
 
+# Student's t two-sided 95% quantiles for 1..10 degrees of freedom (beyond: 1.96 + 2.4 / df, within 0.5%).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def slice_ratio_ci(a: PointResult, b: PointResult) -> tuple[float, float] | None:
+    """95% interval of ``a``'s output throughput over ``b``'s from points measured in rounds: slice j of
+    each was measured back to back (seconds apart, the same requests), so the log-ratios of the slices
+    are paired observations of the ratio; a t interval on their mean, exponentiated. None unless both
+    points have the same two or more slices and were measured beside each other (slices of deployments
+    measured in different groups, or one after another, are minutes apart: they pair nothing)."""
+    if len(a.slices) < 2 or len(a.slices) != len(b.slices) or b.config.deployment not in a.beside:
+        return None
+    logs = [math.log(x.output_throughput / y.output_throughput) for x, y in zip(a.slices, b.slices)
+            if x.output_throughput and y.output_throughput]
+    k = len(logs)
+    if k < 2:
+        return None
+    mean = sum(logs) / k
+    sd = math.sqrt(sum((v - mean) ** 2 for v in logs) / (k - 1))
+    t = _T975[k - 2] if k - 1 <= len(_T975) else 1.96 + 2.4 / (k - 1)
+    half = t * sd / math.sqrt(k)
+    return math.exp(mean - half), math.exp(mean + half)
+
+
 def study_rows(results: list[PointResult]) -> list[StudyRow]:
     """One row per point, with the speedup over the baseline at the same load and temperature."""
     base = {_group_key(r): r for r in results if r.status == "ok" and r.config.method == "none"}
@@ -307,6 +340,7 @@ def study_rows(results: list[PointResult]) -> list[StudyRow]:
             acceptance_rate=r.acceptance_rate, tau=r.tau,
             acceptance_per_position=r.acceptance.per_position_rate if r.acceptance else None,
             speedup_vs_baseline=speedup, e2el_p50_ratio_vs_baseline=lat,
+            speedup_ci95=slice_ratio_ci(r, b) if speedup is not None and c.method != "none" else None,
             json_valid=r.json_valid, exact_match=r.exact_match, agreement_vs_baseline=agree, key=r.key))
     return rows
 
@@ -472,9 +506,14 @@ def adaptive_table(rows: list[StudyRow], results: list[PointResult]) -> list[Ada
     """Each adaptive (γ per batch size) point beside the best fixed deployment at the same load and T.
 
     The goal of tuning: at every load at least 0.95 × the best fixed deployment measured (speculative or
-    not) and at least 1.0 × the baseline; ``meets`` says whether this point does."""
+    not) and at least 1.0 × the baseline; ``meets`` says whether this point does. Points measured in
+    rounds carry 95% intervals of both ratios from their slices, and a missed goal whose intervals both
+    reach it is ``within_noise``: the best fixed deployment is the largest of several noisy figures, and
+    where the schedule decodes plainly the adaptive server is a baseline, so a point estimate alone
+    misses about half the time."""
     schedules = {r.config.deployment: (r.config.spec.get("speculative") or {}).get("schedule")
                  for r in results if r.config.spec.get("speculative", {}).get("adaptive")}
+    by_key = {r.key: r for r in results}
     ok = [r for r in rows if r.ok and r.output_throughput]
     out = []
     for a in ok:
@@ -489,13 +528,20 @@ def adaptive_table(rows: list[StudyRow], results: list[PointResult]) -> list[Ada
         base = next((r for r in same if not r.speculative), None)
         vs_best = a.output_throughput / best.output_throughput
         vs_base = a.output_throughput / base.output_throughput if base else None
+        best_ci = slice_ratio_ci(by_key[a.key], by_key[best.key]) if a.key in by_key and best.key in by_key else None
+        base_ci = (slice_ratio_ci(by_key[a.key], by_key[base.key])
+                   if base and a.key in by_key and base.key in by_key else None)
+        meets = vs_best >= 0.95 and (vs_base is None or vs_base >= 1.0)
+        within = None
+        if not meets and best_ci is not None and (base is None or base_ci is not None):
+            within = best_ci[1] >= 0.95 and (base_ci is None or base_ci[1] >= 1.0)
         sched = schedules[a.deployment] or []
         gamma = schedule_gamma([tuple(s) for s in sched], a.concurrency or 1) if sched else None
         out.append(AdaptiveRow(deployment=a.deployment, temperature=a.temperature, concurrency=a.concurrency,
                                gamma_at_load=gamma, output_throughput=a.output_throughput,
                                best_fixed=best.deployment, best_fixed_throughput=best.output_throughput,
-                               vs_best_fixed=vs_best, vs_baseline=vs_base,
-                               meets=vs_best >= 0.95 and (vs_base is None or vs_base >= 1.0), schedule=sched))
+                               vs_best_fixed=vs_best, vs_baseline=vs_base, vs_best_fixed_ci95=best_ci,
+                               vs_baseline_ci95=base_ci, meets=meets, within_noise=within, schedule=sched))
     return sorted(out, key=lambda r: (r.deployment, r.temperature, r.concurrency or 0))
 
 
@@ -629,7 +675,8 @@ def analyse(results: list[PointResult], manifest: RunManifest | None = None, run
         run=RunInfo(dir=str(run_dir), preset=manifest.preset, machine=machine, engine=versions,
                     invocations=manifest.invocations,
                     dtypes=sorted({r.dtype for r in rows if r.dtype}), seconds=manifest.seconds,
-                    interleave=int(manifest.plan.get("interleave") or 1)),
+                    interleave=int(manifest.plan.get("interleave") or 1),
+                    rounds=int(manifest.plan.get("rounds") or 1)),
         slo_e2el_s=slo, target_rps=target, points=rows, capacity=caps, quality_tests=tests,
         published_comparison=comparison, verdict=text, quality=(quality or {}).get("entries", []),
         quality_judge=judge, quality_metric=(quality or {}).get("metric"),

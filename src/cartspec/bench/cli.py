@@ -36,12 +36,14 @@ class RichReporter:
         colour = {"failed": "red", "running": "green", "done": "dim"}.get(state, "yellow")
         self.progress.console.print(f"[{colour}]{label}: {state}[/]")
 
-    def point_started(self, cfg) -> None:
+    def point_started(self, cfg, part: int = 0) -> None:
         if self.requests is not None:
             self.progress.remove_task(self.requests)
         self.errors = 0
-        self.requests = self.progress.add_task(f"  {cfg.deployment} {cfg.load} T={cfg.temperature:g}",
-                                               total=cfg.n_requests)
+        bounds = cfg.slice_bounds()
+        what = f" slice {part + 1}/{len(bounds)}" if len(bounds) > 1 else ""
+        self.requests = self.progress.add_task(f"  {cfg.deployment} {cfg.load} T={cfg.temperature:g}{what}",
+                                               total=bounds[part][1])
 
     def request_done(self, ok: bool) -> None:
         self.errors += not ok
@@ -128,6 +130,10 @@ def study(
         None, min=1, help="servers up at once, measured in turn at every point so that the host's drift lands on "
                           "all alike (default: the preset's; paper 4; fewer when memory runs short); 1: one "
                           "deployment after another"),
+    rounds: Optional[int] = typer.Option(
+        None, min=1, help="measure every point in this many slices, the interleaved servers taking turns at each "
+                          "slice (default: the preset's; paper 1): ratios between deployments then rest on pairs "
+                          "measured seconds apart, and the report gives each a confidence interval"),
 ) -> None:
     """Run the speculative-decoding study (sweep, then report) and print a verdict."""
     from ..report.build import build_report
@@ -199,6 +205,10 @@ def study(
     plan.seed = seed
     plan.samples = samples
     plan.interleave = interleave or plan.interleave
+    plan.rounds = rounds or plan.rounds
+    if plan.rounds > 1 and (plan.interleave < 2 or server):
+        console.print("[bold yellow]--rounds without --interleave: the slices of each deployment follow one "
+                      "another, so no ratio gets an interval; add --interleave 2 or more[/]")
     out = out or Path("runs") / f"study-{preset}"
     n_points = len(plan.all_points())
     if not server:

@@ -61,6 +61,7 @@ class LoadConfig:
     temperature: float = 0.0
     seed: int = 0  # < 0: no per-request seeds at T > 0 (the server's own randomness, as in production)
     timeout_s: float = 600.0
+    offset: int = 0  # the first measured request is request ``offset`` of the set (a slice of a longer run)
 
 
 @dataclass
@@ -158,11 +159,12 @@ OnDone = Callable[[RequestRecord], None]
 
 async def closed_loop(send: Callable[[int, ChatRequest], Awaitable[RequestRecord]], requests: Sequence[ChatRequest],
                       concurrency: int, n_requests: int, duration_s: float | None = None,
-                      on_done: OnDone | None = None, clock: Clock = time.perf_counter) -> tuple[list[RequestRecord], float]:
+                      on_done: OnDone | None = None, clock: Clock = time.perf_counter,
+                      offset: int = 0) -> tuple[list[RequestRecord], float]:
     """Keep ``concurrency`` requests in flight until ``n_requests`` were sent (or ``duration_s`` passed).
 
-    Requests are taken in order, cycling through ``requests``; the i-th measured
-    request is the same on every deployment, so points compare paired.
+    Requests are taken in order, cycling through ``requests``, from request ``offset`` on; the i-th
+    measured request is the same on every deployment, so points compare paired.
     """
     records: list[RequestRecord] = []
     next_i = 0
@@ -171,7 +173,7 @@ async def closed_loop(send: Callable[[int, ChatRequest], Awaitable[RequestRecord
     async def worker() -> None:
         nonlocal next_i
         while next_i < n_requests and (duration_s is None or clock() - t0 < duration_s):
-            i = next_i
+            i = offset + next_i
             next_i += 1
             t_send = clock()
             rec = await send(i, requests[i % len(requests)])
@@ -186,9 +188,11 @@ async def closed_loop(send: Callable[[int, ChatRequest], Awaitable[RequestRecord
 
 async def open_loop(send: Callable[[int, ChatRequest], Awaitable[RequestRecord]], requests: Sequence[ChatRequest],
                     rate: float, n_requests: int, duration_s: float | None = None, seed: int = 0,
-                    on_done: OnDone | None = None, clock: Clock = time.perf_counter) -> tuple[list[RequestRecord], float]:
-    """Poisson arrivals at ``rate`` per second, whatever the server's state (the load a real shop sees)."""
-    rng = random.Random(abs(seed))
+                    on_done: OnDone | None = None, clock: Clock = time.perf_counter,
+                    offset: int = 0) -> tuple[list[RequestRecord], float]:
+    """Poisson arrivals at ``rate`` per second, whatever the server's state (the load a real shop sees),
+    requests taken in order from request ``offset`` on."""
+    rng = random.Random(abs(seed) + offset)
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task] = []
     t0 = clock()
@@ -207,7 +211,7 @@ async def open_loop(send: Callable[[int, ChatRequest], Awaitable[RequestRecord]]
         delay = t0 + arrival - clock()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(i, arrival)))
+        tasks.append(asyncio.create_task(one(offset + i, arrival)))
         arrival += rng.expovariate(rate)
     await asyncio.gather(*tasks)
     return records, clock() - t0
@@ -243,12 +247,12 @@ async def run_load(base_url: str, model: str, requests: Sequence[ChatRequest], c
         before = await scrape(http, base_url) if metrics else None
         if cfg.mode == "closed":
             records, wall = await closed_loop(sender(0), requests, cfg.concurrency, cfg.n_requests,
-                                              cfg.duration_s, on_done)
+                                              cfg.duration_s, on_done, offset=cfg.offset)
         else:
             if not cfg.rate:
                 raise ValueError("open loop needs a rate")
             records, wall = await open_loop(sender(0), requests, cfg.rate, cfg.n_requests, cfg.duration_s,
-                                            cfg.seed, on_done)
+                                            cfg.seed, on_done, offset=cfg.offset)
         after = await scrape(http, base_url) if metrics else None
     acceptance = (after - before).stats() if before is not None and after is not None else None
     if acceptance is None:

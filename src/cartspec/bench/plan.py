@@ -34,6 +34,9 @@ class SweepPlan(BaseModel):
     interleave: int = Field(1, ge=1, description="servers up at once, measured in turn at each point (the order "
                                                   "rotating from point to point) so that a drift of the host lands "
                                                   "on every deployment alike; 1: one deployment after another")
+    rounds: int = Field(1, ge=1, description="each point measured in this many slices of consecutive requests, "
+                                             "the servers of a group taking turns at every slice (at least one "
+                                             "request per stream in a slice); the slices merge into the point")
     server_url: str | None = Field(None, description="measure this running endpoint instead of starting vLLM")
     served_name: str | None = None
 
@@ -43,7 +46,7 @@ class SweepPlan(BaseModel):
                       head=sp.model if sp.method in ("eagle3", "hybrid") else None,
                       spec=deployment.model_dump(mode="json"), max_tokens=self.max_tokens,
                       structured=self.structured, seed=self.seed, slo_e2el_s=self.slo_e2el_s,
-                      duration_s=self.duration_s, samples=self.samples)
+                      duration_s=self.duration_s, samples=self.samples, rounds=self.rounds)
         loads: list[dict[str, Any]] = ([dict(mode="open", rate=r, concurrency=None) for r in self.rates]
                                        if self.rates else [dict(mode="closed", concurrency=c) for c in self.concurrencies])
         out = []

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -21,9 +22,9 @@ from ..serving.endpoint import Endpoint, Launcher, api_key_from_env, endpoint
 from ..serving.spec import DeploymentSpec
 from .plan import (SweepPlan, baseline, head_available, parse_deployment, preset,  # noqa: F401 (re-exported)
                    spec_deployment)
-from .loadgen import ChatRequest, LoadConfig, chat_requests, run_load
-from ..results import (DeploymentInfo, Invocation, Machine, PointConfig, PointResult, RequestRecord, RunManifest,
-                       append_result, finished_keys, load_results, now_iso)
+from .loadgen import ChatRequest, LoadConfig, LoadResult, chat_requests, run_load
+from ..results import (DeploymentInfo, Invocation, Machine, PointConfig, PointResult, PointSlice, RequestRecord,
+                       RunManifest, append_result, finished_keys, load_results, now_iso)
 from ..task.request_sets import load_request_set
 from ..task.score import ItemScore, score_item
 
@@ -39,7 +40,7 @@ class Reporter(Protocol):
 
     def start(self, total: int, done: int) -> None: ...
     def deployment(self, label: str, state: str) -> None: ...
-    def point_started(self, cfg: PointConfig) -> None: ...
+    def point_started(self, cfg: PointConfig, part: int = 0) -> None: ...  # part: the slice (points in rounds)
     def request_done(self, ok: bool) -> None: ...
     def point_finished(self, res: PointResult) -> None: ...
     def stop(self) -> None: ...
@@ -48,7 +49,7 @@ class Reporter(Protocol):
 class SilentReporter:
     def start(self, total, done): pass
     def deployment(self, label, state): pass
-    def point_started(self, cfg): pass
+    def point_started(self, cfg, part=0): pass
     def request_done(self, ok): pass
     def point_finished(self, res): pass
     def stop(self): pass
@@ -184,8 +185,9 @@ def _run_group(plan: SweepPlan, todo: list[tuple[DeploymentSpec, list[PointConfi
     """Start up to ``plan.interleave`` of the deployments in ``todo`` (fewer when the host's memory would not
     hold another: a server is started only while the memory left exceeds what the last one took), then measure
     each point of the grid on every started deployment in turn, the order rotating from one point to the next
-    (one deployment: its points in order). Started deployments are removed from ``todo``; returns the number
-    of points recorded."""
+    (one deployment: its points in order). A point in rounds is measured slice by slice, every deployment
+    taking its turn at each slice, the order rotating from slice to slice. Started deployments are removed
+    from ``todo``; returns the number of points recorded."""
     measured = 0
     group: list[_Live] = []
     with contextlib.ExitStack() as stack:
@@ -205,17 +207,24 @@ def _run_group(plan: SweepPlan, todo: list[tuple[DeploymentSpec, list[PointConfi
                 took = max(0.0, before - _available_gib())
             else:
                 measured += live.fail_rest(live.reason)
+        for live in group:
+            live.beside = [other.label for other in group if other is not live]
         cells: list[tuple] = []
         for live in group:
             for cfg in live.pending:
                 if _cell(cfg) not in cells:
                     cells.append(_cell(cfg))
-        for i, cell in enumerate(cells):
-            k = i % max(len(group), 1)
-            for live in group[k:] + group[:k]:
-                cfg = next((c for c in live.pending if _cell(c) == cell), None)
-                if cfg is not None:
-                    measured += live.measure(cfg)
+        turn = 0
+        for cell in cells:
+            rounds = max((len(c.slice_bounds()) for live in group for c in live.pending if _cell(c) == cell),
+                         default=1)
+            for j in range(rounds):
+                k = turn % max(len(group), 1)
+                turn += 1
+                for live in group[k:] + group[:k]:
+                    cfg = next((c for c in live.pending if _cell(c) == cell), None)
+                    if cfg is not None and j < len(cfg.slice_bounds()):
+                        measured += live.measure(cfg, j)
     return measured
 
 
@@ -237,6 +246,8 @@ class _Live:
         self.info: DeploymentInfo | None = None
         self.restarts = 0
         self.reason = ""
+        self.parts: dict[str, list[_Slice]] = {}  # the slices of points in rounds measured so far
+        self.beside: list[str] = []  # the other deployments of the group, measured in turn with this one
 
     def start(self) -> bool:
         self.reporter.deployment(self.label, "starting")
@@ -268,11 +279,24 @@ class _Live:
         n, self.pending = len(self.pending), []
         return n
 
-    def measure(self, cfg: PointConfig) -> int:
-        """Measure ``cfg`` (recorded either way); a server that died is restarted once, then its points fail."""
+    def measure(self, cfg: PointConfig, part: int = 0) -> int:
+        """Measure slice ``part`` of ``cfg`` (the whole point when it is not in rounds); the point is recorded
+        after its last slice, or failed at the first slice that fails. A server that died is restarted once,
+        then its points fail. Returns the number of points recorded."""
         if self.ep is None:
             return 0
-        res = _measure(cfg, self.ep, self.info, self.machine, self.reporter)
+        bounds = cfg.slice_bounds()
+        if part == 0:
+            self.parts[cfg.key] = []
+        self.reporter.point_started(cfg, part)
+        done = self.parts[cfg.key]
+        res = _measure(cfg, self.ep, self.info, self.machine, self.reporter, part=part, done=done)
+        if isinstance(res, _Slice):
+            done.append(res)
+            if part + 1 < len(bounds):
+                return 0
+            res = _merged(cfg, done, self.info, self.machine, self.beside)
+        del self.parts[cfg.key]
         self._record(res)
         self.pending.remove(cfg)
         if res.status == "failed" and not self.ep.alive():
@@ -346,17 +370,31 @@ def with_samples(requests: list[ChatRequest], n: int, samples: int) -> list[Chat
     return head + list(requests[n:])
 
 
-def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Machine,
-             reporter: Reporter) -> PointResult:
-    reporter.point_started(cfg)
+@dataclass
+class _Slice:
+    """One slice of a point, measured; the point's slices merge into its result (``_merged``)."""
+
+    started_at: str
+    load: LoadResult
+    requests: list[ChatRequest]
+
+
+def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Machine, reporter: Reporter,
+             part: int = 0, done: Sequence[_Slice] = ()) -> _Slice | PointResult:
+    """Run slice ``part`` of ``cfg`` (its warm-up before the first slice only); a failed point when the slice
+    fails or the server died (with the records of the slices ``done`` before it and this one's)."""
     started = now_iso()
+    offset, count = cfg.slice_bounds()[part]
+    first = done[0].started_at if done else started
+    earlier = [rec for s in done for rec in s.load.records]
     try:
         requests = chat_requests(load_request_set(cfg.request_set, cfg.n_requests + cfg.warmup), cfg.max_tokens,
                                  cfg.structured)
         requests = with_samples(requests, cfg.n_requests, cfg.samples)
-        load = LoadConfig(mode=cfg.mode, concurrency=cfg.concurrency or 1, rate=cfg.rate,
-                          n_requests=cfg.n_requests * cfg.samples,
-                          duration_s=cfg.duration_s, warmup=cfg.warmup, temperature=cfg.temperature, seed=cfg.seed)
+        load = LoadConfig(mode=cfg.mode, concurrency=cfg.concurrency or 1, rate=cfg.rate, n_requests=count,
+                          offset=offset, warmup=cfg.warmup if part == 0 else 0,
+                          duration_s=cfg.duration_s / len(cfg.slice_bounds()) if cfg.duration_s else None,
+                          temperature=cfg.temperature, seed=cfg.seed)
         result = asyncio.run(run_load(ep.url, ep.served_name, requests, load,
                                       on_done=lambda r: reporter.request_done(r.ok), api_key=ep.api_key,
                                       metrics=ep.has_metrics))
@@ -364,22 +402,42 @@ def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Mach
         reason = f"{type(exc).__name__}: {exc}"
         if not ep.alive():
             reason = ep.died_reason()
-        return PointResult.failed(cfg, reason[:2000], started_at=started, machine=machine, deployment=info)
+        return PointResult.failed(cfg, reason[:2000], started_at=first, machine=machine, deployment=info,
+                                  records=earlier, n_requests=len(earlier),
+                                  n_errors=sum(1 for r in earlier if not r.ok))
     if not ep.alive():
-        return PointResult.failed(cfg, ep.died_reason(), started_at=started, machine=machine, deployment=info,
-                                  records=result.records, wall_s=result.wall_s, n_requests=len(result.records),
-                                  n_errors=sum(1 for r in result.records if not r.ok))
-    scores = score_replies(result.records, requests)
+        records = earlier + result.records
+        return PointResult.failed(cfg, ep.died_reason(), started_at=first, machine=machine, deployment=info,
+                                  records=records, wall_s=sum(s.load.wall_s for s in done) + result.wall_s,
+                                  n_requests=len(records), n_errors=sum(1 for r in records if not r.ok))
+    return _Slice(started, result, requests)
+
+
+def _merged(cfg: PointConfig, slices: Sequence[_Slice], info: DeploymentInfo, machine: Machine,
+            beside: Sequence[str] = ()) -> PointResult:
+    """The point from its slices: their records on one clock (each slice's after the wall time of those
+    before it), wall times and acceptance counters summed; each slice's own figures kept in ``slices``."""
+    records: list[RequestRecord] = []
+    acceptance = None
+    shift = 0.0
+    for s in slices:
+        records += [rec.model_copy(update={"start": rec.start + shift}) for rec in s.load.records]
+        shift += s.load.wall_s
+        if s.load.acceptance is not None:
+            acceptance = s.load.acceptance if acceptance is None else acceptance + s.load.acceptance
+    scores = score_replies(records, slices[0].requests)
     json_valid, exact = reply_quality(scores)
-    records = with_scores(result.records, scores)
-    res = PointResult.measured(cfg, records, result.wall_s, result.acceptance, started_at=started,
-                               machine=machine, deployment=info, n_warmup=result.n_warmup,
-                               json_valid=json_valid, exact_match=exact)
+    records = with_scores(records, scores)
+    parts = [PointSlice(started_at=s.started_at, wall_s=s.load.wall_s, n_requests=len(s.load.records),
+                        output_tokens=sum(r.output_tokens for r in s.load.records if r.ok))
+             for s in slices] if len(slices) > 1 else []
+    res = PointResult.measured(cfg, records, shift, acceptance, started_at=slices[0].started_at,
+                               machine=machine, deployment=info, n_warmup=slices[0].load.n_warmup,
+                               json_valid=json_valid, exact_match=exact, slices=parts,
+                               beside=list(beside) if parts else [])
     if res.n_errors == res.n_requests:
         first = next((r.error for r in records if r.error), "")
-        return PointResult.failed(cfg, f"every request failed: {first}", started_at=started, machine=machine,
-                                  deployment=info, records=records, wall_s=result.wall_s,
+        return PointResult.failed(cfg, f"every request failed: {first}", started_at=slices[0].started_at,
+                                  machine=machine, deployment=info, records=records, wall_s=shift,
                                   n_requests=res.n_requests, n_errors=res.n_errors)
     return res
-
-

@@ -22,7 +22,7 @@ figcaption{color:#555;font-size:12.5px}.muted{color:#777;font-size:12px}
 {% if summary.run.engine.hardware %}{{ summary.run.engine.hardware }}, {% endif %}{% if summary.run.dtypes %}dtype {{ summary.run.dtypes|join(", ") }}, {% endif %}
 {{ summary.run.machine.memory_gib }} GiB · {{ summary.run.engine.vllm or "" }} · torch {{ summary.run.engine.torch or "?" }}
 · sweep time {{ "%.1f"|format(summary.run.seconds / 60) }} min over {{ summary.run.invocations|length }} invocation(s)
-· {% if summary.run.interleave > 1 %}deployments interleaved: up to {{ summary.run.interleave }} servers up at once, each point measured on every one in turn{% else %}deployments measured one after another{% endif %}</p>
+· {% if summary.run.interleave > 1 %}deployments interleaved: up to {{ summary.run.interleave }} servers up at once, each point measured on every one in turn{% if summary.run.rounds > 1 %}, in {{ summary.run.rounds }} slices taking turns{% endif %}{% else %}deployments measured one after another{% endif %}</p>
 
 <h2>Verdict</h2>
 <p class="verdict" id="verdict">{{ verdict }}</p>
@@ -77,7 +77,7 @@ of replies identical to the baseline's for the same request.</p>
 {% for r in rows %}{% if r.status == "ok" %}<tr><td class="l">{{ r.deployment }}</td>
 <td>{{ r.concurrency if r.mode == "closed" else r.rate ~ "/s" }}</td><td>{{ r.temperature }}</td><td class="l">{{ r.request_set }}</td>
 <td>{{ r.n_requests }}</td><td>{{ r.n_errors }}</td><td>{{ num(r.output_throughput, 1) }}</td>
-<td class="{{ '' if r.method == 'none' else 'good' if r.speedup_vs_baseline and r.speedup_vs_baseline > 1 else 'bad' if r.speedup_vs_baseline else '' }}">{{ num(r.speedup_vs_baseline, 2) }}</td>
+<td class="{{ '' if r.method == 'none' else 'good' if r.speedup_vs_baseline and r.speedup_vs_baseline > 1 else 'bad' if r.speedup_vs_baseline else '' }}">{{ num(r.speedup_vs_baseline, 2) }}{% if r.speedup_ci95 %} <small>[{{ num(r.speedup_ci95[0], 2) }}–{{ num(r.speedup_ci95[1], 2) }}]</small>{% endif %}</td>
 <td>{{ num(r.ttft_p50, 3) }}</td><td>{{ ms(r.tpot_p50) }}</td><td>{{ ms(r.itl_p50) }}</td><td>{{ num(r.e2el_p50, 2) }}</td>
 <td>{{ num(r.e2el_p99, 2) }}</td><td>{{ num(r.goodput, 3) }}</td><td>{{ pct(r.acceptance_rate) }}</td><td>{{ num(r.tau, 2) }}</td>
 <td>{{ pct(r.json_valid) }}</td><td>{{ pct(r.exact_match) }}</td><td>{{ pct(r.agreement_vs_baseline) }}</td></tr>
@@ -91,13 +91,16 @@ of replies identical to the baseline's for the same request.</p>
 
 {% if adaptive %}<h2>Adaptive γ beside the best fixed deployment</h2>
 <p>γ per batch size, tuned for this machine ({% for a in adaptive[:1] %}schedule <code>{{ a.schedule }}</code>: [first batch size, last, γ]{% endfor %}).
-Goal at every load: ≥ 0.95 × the best fixed deployment and ≥ 1.0 × the baseline.</p>
+Goal at every load: ≥ 0.95 × the best fixed deployment and ≥ 1.0 × the baseline.{% if adaptive | selectattr("vs_best_fixed_ci95") | list %}
+Brackets: 95% interval from the point's slices, each measured beside the other deployment's (seconds apart, the same requests);
+"within noise": missed, but both intervals reach the goal.{% endif %}</p>
 <table id="adaptive"><tr><th class="l">deployment</th><th>T</th><th>load</th><th>γ there</th><th>tok/s</th>
 <th class="l">best fixed</th><th>its tok/s</th><th>× best fixed</th><th>× baseline</th><th>goal</th></tr>
 {% for a in adaptive %}<tr><td class="l">{{ a.deployment }}</td><td>{{ a.temperature }}</td><td>{{ a.concurrency }}</td>
 <td>{{ a.gamma_at_load }}</td><td>{{ num(a.output_throughput, 1) }}</td><td class="l">{{ a.best_fixed }}</td>
-<td>{{ num(a.best_fixed_throughput, 1) }}</td><td>{{ num(a.vs_best_fixed, 2) }}</td><td>{{ num(a.vs_baseline, 2) }}</td>
-<td class="{{ 'good' if a.meets else 'bad' }}">{{ "met" if a.meets else "missed" }}</td></tr>{% endfor %}</table>{% endif %}
+<td>{{ num(a.best_fixed_throughput, 1) }}</td><td>{{ num(a.vs_best_fixed, 2) }}{% if a.vs_best_fixed_ci95 %} [{{ num(a.vs_best_fixed_ci95[0], 2) }}–{{ num(a.vs_best_fixed_ci95[1], 2) }}]{% endif %}</td>
+<td>{{ num(a.vs_baseline, 2) }}{% if a.vs_baseline_ci95 %} [{{ num(a.vs_baseline_ci95[0], 2) }}–{{ num(a.vs_baseline_ci95[1], 2) }}]{% endif %}</td>
+<td class="{{ 'good' if a.meets else ('' if a.within_noise else 'bad') }}">{{ "met" if a.meets else ("within noise" if a.within_noise else "missed") }}</td></tr>{% endfor %}</table>{% endif %}
 
 {{ by_class_html }}
 <h2>Cost model of this machine</h2>
