@@ -291,7 +291,7 @@ def baseline_agreement(r: PointResult, b: PointResult) -> float | None:
     return sum(a == t for a, t in pairs) / len(pairs) if pairs else None
 
 
-# Student's t two-sided 95% quantiles for 1..10 degrees of freedom (beyond: 1.96 + 2.4 / df, within 0.5%).
+# Student's t two-sided 95% quantiles for 1..10 degrees of freedom (beyond: 1.96 + 2.4 / df, within 1%).
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
 
 
