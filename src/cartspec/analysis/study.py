@@ -528,9 +528,8 @@ def adaptive_table(rows: list[StudyRow], results: list[PointResult]) -> list[Ada
         base = next((r for r in same if not r.speculative), None)
         vs_best = a.output_throughput / best.output_throughput
         vs_base = a.output_throughput / base.output_throughput if base else None
-        best_ci = slice_ratio_ci(by_key[a.key], by_key[best.key]) if a.key in by_key and best.key in by_key else None
-        base_ci = (slice_ratio_ci(by_key[a.key], by_key[base.key])
-                   if base and a.key in by_key and base.key in by_key else None)
+        best_ci = slice_ratio_ci(by_key[a.key], by_key[best.key])
+        base_ci = slice_ratio_ci(by_key[a.key], by_key[base.key]) if base else None
         meets = vs_best >= 0.95 and (vs_base is None or vs_base >= 1.0)
         within = None
         if not meets and best_ci is not None and (base is None or base_ci is not None):

@@ -35,8 +35,8 @@ class SweepPlan(BaseModel):
                                                   "rotating from point to point) so that a drift of the host lands "
                                                   "on every deployment alike; 1: one deployment after another")
     rounds: int = Field(1, ge=1, description="each point measured in this many slices of consecutive requests, "
-                                             "the servers of a group taking turns at every slice (at least one "
-                                             "request per stream in a slice); the slices merge into the point")
+                                             "the servers of a group taking turns at every slice (at least two "
+                                             "requests per stream in a slice); the slices merge into the point")
     server_url: str | None = Field(None, description="measure this running endpoint instead of starting vLLM")
     served_name: str | None = None
 

@@ -384,16 +384,18 @@ def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Mach
     """Run slice ``part`` of ``cfg`` (its warm-up before the first slice only); a failed point when the slice
     fails or the server died (with the records of the slices ``done`` before it and this one's)."""
     started = now_iso()
-    offset, count = cfg.slice_bounds()[part]
-    first = done[0].started_at if done else started
-    earlier = [rec for s in done for rec in s.load.records]
+    bounds = cfg.slice_bounds()
+    offset, count = bounds[part]
     try:
-        requests = chat_requests(load_request_set(cfg.request_set, cfg.n_requests + cfg.warmup), cfg.max_tokens,
-                                 cfg.structured)
-        requests = with_samples(requests, cfg.n_requests, cfg.samples)
+        if done:  # the point's request list, built for its first slice
+            requests = done[0].requests
+        else:
+            requests = chat_requests(load_request_set(cfg.request_set, cfg.n_requests + cfg.warmup),
+                                     cfg.max_tokens, cfg.structured)
+            requests = with_samples(requests, cfg.n_requests, cfg.samples)
         load = LoadConfig(mode=cfg.mode, concurrency=cfg.concurrency or 1, rate=cfg.rate, n_requests=count,
                           offset=offset, warmup=cfg.warmup if part == 0 else 0,
-                          duration_s=cfg.duration_s / len(cfg.slice_bounds()) if cfg.duration_s else None,
+                          duration_s=cfg.duration_s / len(bounds) if cfg.duration_s else None,
                           temperature=cfg.temperature, seed=cfg.seed)
         result = asyncio.run(run_load(ep.url, ep.served_name, requests, load,
                                       on_done=lambda r: reporter.request_done(r.ok), api_key=ep.api_key,
@@ -402,15 +404,21 @@ def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Mach
         reason = f"{type(exc).__name__}: {exc}"
         if not ep.alive():
             reason = ep.died_reason()
-        return PointResult.failed(cfg, reason[:2000], started_at=first, machine=machine, deployment=info,
-                                  records=earlier, n_requests=len(earlier),
-                                  n_errors=sum(1 for r in earlier if not r.ok))
+        return _failed(cfg, reason, done, None, started, info, machine)
     if not ep.alive():
-        records = earlier + result.records
-        return PointResult.failed(cfg, ep.died_reason(), started_at=first, machine=machine, deployment=info,
-                                  records=records, wall_s=sum(s.load.wall_s for s in done) + result.wall_s,
-                                  n_requests=len(records), n_errors=sum(1 for r in records if not r.ok))
+        return _failed(cfg, ep.died_reason(), done, result, started, info, machine)
     return _Slice(started, result, requests)
+
+
+def _failed(cfg: PointConfig, reason: str, done: Sequence[_Slice], last: LoadResult | None, started: str,
+            info: DeploymentInfo, machine: Machine) -> PointResult:
+    """The point failed in a slice: recorded with the requests of the slices before it (and of the failed one
+    when it ran to its end)."""
+    records = [rec for s in done for rec in s.load.records] + (last.records if last else [])
+    wall = sum(s.load.wall_s for s in done) + (last.wall_s if last else 0.0)
+    return PointResult.failed(cfg, reason[:2000], started_at=done[0].started_at if done else started,
+                              machine=machine, deployment=info, records=records, wall_s=wall,
+                              n_requests=len(records), n_errors=sum(1 for r in records if not r.ok))
 
 
 def _merged(cfg: PointConfig, slices: Sequence[_Slice], info: DeploymentInfo, machine: Machine,
