@@ -156,7 +156,10 @@ def test_a_gamma_only_the_model_speaks_for_must_beat_a_measured_one_by_more_than
                for r in sweep(OVERHEAD_BOUND, accept=LONG_ACCEPT)]
     exact = tune_schedule(results)
     assert exact.cost_model.loo_median_abs_error < 0.01
-    assert [c.k for c in exact.choices[:4]] == [5, 4, 4, 4]  # an error-free model: its γ=4 wins at 2
+    # an error-free model: its γ=4 wins at 2, between batch sizes 1 and 4 that both measured γ=5 fastest,
+    # which the schedule follows
+    assert [c.k for c in exact.choices[:4]] == [5, 5, 5, 5]
+    assert any(n.startswith("batch 2: γ=4 (measured) raised to γ=5, the γ of the measured batch 4") for n in exact.notes)
     from cartspec.analysis.cost_model import fit_cost_model
     noisy = fit_cost_model(results).model_copy(update={"loo_median_abs_error": 0.05})
     res = tune_schedule(results, model=noisy)
@@ -164,3 +167,36 @@ def test_a_gamma_only_the_model_speaks_for_must_beat_a_measured_one_by_more_than
     assert by[2].source[4] == "model" and by[2].speedup[4] > by[2].speedup[5]
     assert [by[b].k for b in (1, 2, 3, 4)] == [5, 5, 5, 5]
     assert any(n.startswith("batch 2: measured γ=5") and "within the model's error of 5%" in n for n in res.notes)
+
+
+def _choice(b, k, anchor, reason="model"):
+    from cartspec.analysis.tune import BatchChoice
+
+    return BatchChoice(batch=b, k=k, reason=reason, predicted_throughput={}, speedup={}, source={}, anchor=anchor)
+
+
+def test_batch_sizes_between_two_measurements_follow_them_not_the_model():
+    """Measured γ=3 fastest at 8 and at 16; the model alone prefers γ=2 at 9-15 (and γ=5 at 12). The schedule
+    keeps γ=3 from 8 to 16 instead of letting the model's γ=2 cap the measured 16 (as it did on an AVX-512
+    CPU, where γ=3 measured 1.06x the γ=2 the schedule ran at 16 streams); γ still never rises with the
+    batch, and a measured anchor above an earlier one is capped."""
+    from cartspec.analysis.tune import monotone
+
+    ks = {1: 5, 8: 3, 16: 3, 32: 0}
+    choices = [_choice(b, ks.get(b, 5 if b == 12 else 2 if b < 32 else 0), anchor=b in ks,
+                       reason="measured" if b in ks else "model") for b in range(1, 41)]
+    choices[2] = _choice(3, 4, anchor=False)  # the model's γ=4 after a batch size raised to 3: capped
+    choices[23] = _choice(24, 5, anchor=True, reason="measured")  # an anchor above the one before it
+    notes = monotone(choices)
+    assert [c.k for c in choices] == [5] + [3] * 23 + [2] * 7 + [0] * 9
+    raised = "(γ never rises with load)"
+    assert notes == [
+        f"batch 2: γ=2 (model) raised to γ=3, the γ of the measured batch 8 {raised}",
+        f"batch 3: γ=4 (model) capped at γ=3, the γ of batch 2 {raised}",
+        f"batch 4-7: γ=2 (model) raised to γ=3, the γ of the measured batch 8 {raised}",
+        f"batch 9-11: γ=2 (model) raised to γ=3, the γ of the measured batch 16 {raised}",
+        f"batch 12: γ=5 (model) capped at γ=3, the γ of batch 11 {raised}",
+        f"batch 13-15: γ=2 (model) raised to γ=3, the γ of the measured batch 16 {raised}",
+        f"batch 17-23: γ=2 (model) raised to γ=3, the γ of the measured batch 24 {raised}",
+        f"batch 24: γ=5 (measured) capped at γ=3, the γ of batch 16 {raised}",
+    ]

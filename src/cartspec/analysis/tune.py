@@ -50,6 +50,8 @@ class BatchChoice(BaseModel):
     speedup: dict[int, float] = Field(..., description="γ -> speedup over γ=0 the decision used (mean over T)")
     source: dict[int, Literal["measured", "model", "mixed"]] = Field(
         ..., description="γ -> measured at every temperature, at none (model), or at some (mixed)")
+    anchor: bool = Field(False, description="the chosen γ was measured here, within the model's reach of what it "
+                                            "predicts: the batch sizes around it follow it (γ never rises)")
 
 
 class TuneResult(FileModel):
@@ -165,6 +167,7 @@ def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_g
     for b in range(1, max_batch + 1):
         thr: dict[int, float] = {}
         speedup: dict[int, float] = {}
+        predicted: dict[int, float] = {}
         source: dict[int, str] = {}
         for g in gammas:
             per_t, model_thr, n_meas = [], [], 0
@@ -181,6 +184,8 @@ def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_g
                     per_t.append(x / x0)
             thr[g] = float(np.mean(model_thr))
             speedup[g] = float(np.mean(per_t))
+            predicted[g] = float(np.mean([x / model.predict_throughput(b, 0, [], *lengths[t])
+                                          for x, t in zip(model_thr, temps)]))
             source[g] = "measured" if n_meas == len(temps) else "mixed" if n_meas else "model"
         best = max(gammas[1:], key=lambda g: (speedup[g], -g), default=0)
         # A γ the model alone speaks for displaces a measured one only when it is predicted faster by
@@ -194,21 +199,85 @@ def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_g
                 best = top_meas
         k = best if best and speedup[best] > min_speedup else 0
         reason = "measured" if any(source[g] != "model" for g in gammas[1:]) else "model"
+        # An anchor: the decisive γ (the chosen one, or the best measured one where none pays) was measured
+        # here and is no outlier of the model (within ``ANCHOR_REACH`` x its error): the batch sizes
+        # between two anchors, where only the model speaks, follow the measurements around them.
+        deciding = best if best else max(gammas[1:], key=lambda g: speedup[g], default=0)
+        reach = max(ANCHOR_REACH * margin, ANCHOR_MIN_REACH)
+        anchor = bool(deciding and source[deciding] == "measured"
+                      and abs(speedup[deciding] / predicted[deciding] - 1) <= reach)
         choices.append(BatchChoice(batch=b, k=k, reason=reason, predicted_throughput=thr, speedup=speedup,
-                                   source=source))
-    # γ never rises with the batch: verification costs grow with b·(γ+1) while a draft's worth does not,
-    # so a larger γ at a larger batch is a noisy measured point, not the machine.
-    for prev, cur in zip(choices, choices[1:]):
-        if cur.k > prev.k:
-            notes.append(f"batch {cur.batch}: γ={cur.k} ({cur.reason}) capped at γ={prev.k}, the γ of batch "
-                         f"{prev.batch} (γ never rises with load)")
-            cur.k = prev.k
+                                   source=source, anchor=anchor))
+    notes += monotone(choices)
     schedule = merge_schedule([c.k for c in choices])
     if not any(k for *_, k in schedule):
         notes.append(f"speculation with head {head!r} beats plain decoding at no batch size on this machine: "
                      "the tuned deployment decodes plainly (method none)")
     return TuneResult(head=head, method=method, temperatures=temps, gammas=gammas, max_batch=max_batch,
                       min_speedup=min_speedup, schedule=schedule, choices=choices, cost_model=model, notes=notes)
+
+
+# A measured choice anchors the schedule when its speedup is within this many times the model's
+# leave-one-out error of the model's prediction (and never less than ANCHOR_MIN_REACH): a point further
+# off than that is more likely a stall of the host than the machine.
+ANCHOR_REACH = 3.0
+ANCHOR_MIN_REACH = 0.10
+
+
+def _capped(cur: BatchChoice, k: int, what: str, moved: list[tuple[int, int, str, str]]) -> None:
+    moved.append((cur.batch, cur.k, cur.reason, what))
+    cur.k = k
+
+
+def _notes(moved: list[tuple[int, int, str, str]]) -> list[str]:
+    """One note per run of consecutive batch sizes moved for the same reason ("batch 9-15: γ=2 (model) ...")."""
+    runs: list[list[tuple[int, int, str, str]]] = []
+    for m in sorted(moved):
+        last = runs[-1][-1] if runs else None
+        if last and m[0] == last[0] + 1 and m[2:] == last[2:]:
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    out = []
+    for r in runs:
+        ks = sorted({m[1] for m in r})
+        b = f"{r[0][0]}" if len(r) == 1 else f"{r[0][0]}-{r[-1][0]}"
+        k = f"{ks[0]}" if len(ks) == 1 else f"{ks[0]}-{ks[-1]}"
+        out.append(f"batch {b}: γ={k} ({r[0][2]}) {r[0][3]}")
+    return out
+
+
+def monotone(choices: list[BatchChoice]) -> list[str]:
+    """Make γ non-increasing in the batch size, in place, and say what moved.
+
+    Verification costs grow with b·(γ+1) while a draft's worth does not, so γ never rises with the batch:
+    a larger γ at a larger batch is noise, not the machine. The measured anchors decide first (a later
+    anchor above an earlier one is capped at it); a batch size between two anchors is then kept between
+    their γ (at most the one before, at least the one after) and capped at its left neighbour. So where the
+    model alone prefers a smaller γ than the measurements on both sides of it (γ=2 at batch 9-15 where
+    batch 8 and 16 both measured γ=3 fastest), the measurements win, instead of the model's γ capping every
+    measured batch size after it."""
+    notes: list[tuple[int, int, str, str]] = []
+    anchors = [c for c in choices if c.anchor]
+    for prev, cur in zip(anchors, anchors[1:]):
+        if cur.k > prev.k:
+            _capped(cur, prev.k, f"capped at γ={prev.k}, the γ of batch {prev.batch} (γ never rises with load)",
+                    notes)
+    before: BatchChoice | None = None
+    for i, cur in enumerate(choices):
+        if cur.anchor:
+            before = cur
+            continue
+        after = next((c for c in choices[i + 1:] if c.anchor), None)
+        left = choices[i - 1] if i else None
+        hi = min(x.k for x in (before, left) if x is not None) if (before or left) else cur.k
+        if cur.k > hi:
+            src = left if left is not None and left.k == hi else before
+            _capped(cur, hi, f"capped at γ={hi}, the γ of batch {src.batch} (γ never rises with load)", notes)
+        elif after is not None and cur.k < after.k:
+            _capped(cur, after.k, f"raised to γ={after.k}, the γ of the measured batch {after.batch} (γ never "
+                                  f"rises with load)", notes)
+    return _notes(notes)
 
 
 def base_spec(results: Iterable[PointResult], head: str) -> DeploymentSpec:
