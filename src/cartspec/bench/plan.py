@@ -130,7 +130,8 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
     trained for the base model on general prompts) is not in it, because a head made for another
     target is refused without ``--force``; compare it with ``--deployments
     baseline,eagle3:generic:3,eagle3:domain:3 --force``.
-    ``quick``: a taste of it in about 11 minutes on 2 cores, with the hybrid drafter beside the head. ``calibrate``: what the cost model and
+    ``quick``: a taste of it in about 11 minutes on 2 cores, with the hybrid drafter beside the head, the deployments
+    up at once and measured in turn. ``calibrate``: what the cost model and
     ``cartspec tune`` need on a new machine (the baseline and the head at γ=5 at three loads), in minutes."""
     if name == "paper":
         return SweepPlan(name="paper", deployments=[
@@ -150,8 +151,10 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
         deps = [baseline(model), spec_deployment(model, "ngram", 3)]
         if head_available("domain"):
             deps += [spec_deployment(model, "eagle3", 3, "domain"), spec_deployment(model, "hybrid", 3, "domain")]
+        # up at once and measured in turn at every point, as in ``paper``: one after another, a ratio carries
+        # whatever the host did in the minutes between two deployments (a few busy minutes land on one of them)
         return SweepPlan(name="quick", deployments=deps, concurrencies=[1, 8], temperatures=[0.0],
-                         requests_per_stream=3, min_requests=8, max_tokens=96)
+                         requests_per_stream=3, min_requests=8, max_tokens=96, interleave=len(deps))
     if name == "calibrate":
         # γ=5 measures acceptance at every position a schedule may use (chain drafting: the first i
         # positions do not depend on γ); 1, 4 and 16 streams separate per-step from per-token costs.
