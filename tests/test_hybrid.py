@@ -291,3 +291,167 @@ def test_anchor_needs_token_info_and_is_a_valid_setting():
     with pytest.raises(ValueError, match="TokenInfo"):
         propose([1, 2, 3], [4, 5, 6, 7], 2, ANCHOR)
     assert HybridConfig.from_env(ANCHOR.to_env()) == ANCHOR
+
+
+# --- the text rule: anchor plus a match on the text of a value, on a hand-made vocabulary ----------------
+
+_TTEXTS = _TEXTS + [" jacket", ",", " M", " running", " shoes", "run", "ning", " Nike", "nike", " air", " Air", "ket",
+                    "j"]
+_TID = {t: i for i, t in enumerate(_TTEXTS)}
+
+
+def _tids(*texts):
+    return [_TID[t] for t in texts]
+
+
+def _tencode(text):
+    """Greedy longest-prefix tokenization over the hand-made vocabulary (-1 for a character it lacks)."""
+    ids, i = [], 0
+    while i < len(text):
+        best = max((t for t in _TTEXTS[1:] if text.startswith(t, i)), key=len, default=None)
+        if best is None:
+            ids.append(-1)
+            i += 1
+        else:
+            ids.append(_TID[best])
+            i += len(best)
+    return ids
+
+
+def _tinfo():
+    return TokenInfo.from_texts(_TTEXTS, special=[0], encode=_tencode)
+
+
+TEXT = HybridConfig(3, 4, "text", "prompt")
+
+
+def test_text_is_a_valid_setting_and_needs_texts_and_encode():
+    assert HybridConfig.from_env(TEXT.to_env()) == TEXT
+    from cartspec.serving.spec import Speculative
+
+    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="text")
+    assert sp.hybrid_config().rule == "text"
+    with pytest.raises(ValueError, match="TokenInfo"):
+        propose([1, 2, 3], [4, 5, 6, 7], 2, TEXT)
+    with pytest.raises(ValueError, match="encode"):
+        propose([1, 2, 3], [4, 5, 6, 7], 2, TEXT, TokenInfo.from_texts(_TTEXTS, special=[0]))
+    info = _tinfo()
+    assert info.texts[0] == "\x00" and info.texts[_TID[" jacket"]] == " jacket" and info.encode is _tencode
+
+
+def test_text_continues_a_value_whose_first_token_splits_the_prompts_word_differently():
+    info = _tinfo()
+    prompt = _tids("<s>", " brown", " jacket", ",", " size", " M", "\n")
+    ctx = prompt + _tids('{"', "keywords", '":', ' ["', "jack")   # the reply writes "jack" + "et"
+    head = _tids("xx", "brown", "keywords")                       # the head does not know the word
+    # neither the n-gram lookup nor the anchor's token/twin search finds "jack": the head's draft
+    assert propose(head, ctx, len(prompt), HybridConfig(3, 4, "anchor"), info) == head
+    # the prompt's text after "jack" in " jacket", re-encoded: "et" "," " size"
+    assert propose(head, ctx, len(prompt), TEXT, info) == _tids("et", ",", " size")
+    # cut where the head closes the value (its token is structure and differs)
+    head = _tids("xx", '"],', "keywords")
+    assert propose(head, ctx, len(prompt), TEXT, info) == _tids("et", '"],', "keywords")
+
+
+def test_text_continues_a_multi_token_value_from_the_prompts_text():
+    info = _tinfo()
+    prompt = _tids("<s>", " brown", " running", " shoes", " size", " M", "\n")
+    head = _tids("xx", "brown", "keywords")
+    reply = _tids('{"', "keywords", '":', ' ["', "run")
+    assert propose(head, prompt + reply, len(prompt), TEXT, info) == _tids("ning", " shoes", " size")
+    reply = reply + _tids("ning")                                  # "running" so far, in two tokens
+    assert propose(head, prompt + reply, len(prompt), TEXT, info) == _tids(" shoes", " size", " M")
+    # the prompt's turn ends at a special token: the continuation stops there
+    prompt2 = _tids("<s>", " brown", " running", " shoes", "<s>", " size")
+    assert propose(head, prompt2 + reply, len(prompt2), TEXT, info) == _tids(" shoes", "brown", "keywords")
+
+
+def test_text_drafts_nothing_outside_a_value_or_without_a_word_start_match():
+    info = _tinfo()
+    prompt = _tids("<s>", " brown", " jacket", ",", " size", " M", "\n")
+    head = _tids("xx", "brown", "keywords")
+    for reply in (_ids('{"'), _ids('{"', "keywords", '":'), _ids('{"', "keywords", '":', ' ["')):
+        assert propose(head, prompt + reply, len(prompt), TEXT, info) == head  # before any value's text
+    assert propose(head, prompt + _tids('{"', "jack"), len(prompt), TEXT, info) == head  # a key
+    # a key after a closed value, outside an array
+    reply = _tids('{"', "intent", '":', ' "', "search", '",', ' "', "jack")
+    assert propose(head, prompt + reply, len(prompt), TEXT, info) == head
+    # "ket" is inside " jacket", not at a word start
+    reply = _tids('{"', "keywords", '":', ' ["', "ket")
+    assert propose(head, prompt + reply, len(prompt), TEXT, info) == head
+    # one character is not looked up ("j" would take the prompt's first word starting with j)
+    reply = _tids('{"', "keywords", '":', ' ["', "j")
+    assert propose(head, prompt + reply, len(prompt), TEXT, info) == head
+    # the reply's own text does not count, only the prompt's
+    reply = _tids('{"', "keywords", '":', ' ["', "run", "ning", '",', ' "', "run")
+    assert propose(head, prompt + reply, len(prompt), TEXT, info) == head
+    # a chat template's role name right after a special token is no one's word
+    prompt = _tids("<s>", "run", "ning", "\n", " brown", "\n")
+    reply = _tids('{"', "keywords", '":', ' ["', "run", "ning")
+    assert propose(head, prompt + reply, len(prompt), TEXT, info) == head
+
+
+def test_text_takes_the_latest_occurrence_and_follows_the_replys_lower_case():
+    info = _tinfo()
+    head = _tids("xx", "brown", "keywords")
+    reply = _tids('{"', "keywords", '":', ' ["', "jack")
+    prompt = _tids("<s>", " jacket", ",", " size", " M", "\n", " jacket", " brown", "\n")
+    assert propose(head, prompt + reply, len(prompt), TEXT, info) == _tids("et", " brown", "\n")
+    prompt = _tids("<s>", " brown", " Nike", " Air", " shoes", "\n")
+    reply = _tids('{"', "keywords", '":', ' ["', "nike")
+    assert propose(head, prompt + reply, len(prompt), TEXT, info) == _tids(" air", " shoes", "\n")
+
+
+def test_text_behaves_like_anchor_where_a_lookup_matches_or_no_text_does():
+    info = _tinfo()
+    anchor = HybridConfig(3, 4, "anchor", "prompt")
+    p1 = _tids("<s>", " brown", " cal", "vin", " k", "lein", " only", "\n")
+    p2 = _tids("<s>", '{"', "intent", '":', ' "', "search", '"}', "\n")
+    p3 = _tids("<s>", " brown", " size", " cal", "vin", "\n")
+    cases = [
+        (p1, _tids('{"', "colors", '":', ' ["', "cal")),                     # the anchor's twin search
+        (p1, _tids('{"', "colors", '":', ' ["', "cal", "vin", " k", "lein")),  # the n-gram lookup
+        (p2, _tids('{"', "intent", '":', ' "')),                              # a value's first position
+        (p3, _tids('{"', "intent", '":', ' "', "ref", '",', ' "', "cal")),    # a key
+        (p3, _tids('{"', "colors", '":', ' ["', "brown", '",', ' "', "cal")),
+        (p3, _tids('{"', "colors", '":', ' ["', "jack")),                    # not in the prompt
+    ]
+    heads = [_tids("xx", "et", "jack"), _tids("xx", "et", '"],'), _tids('"],', "keywords", '":'),
+             _tids("brown", "keywords", '":'), _tids("ref", '",', "keywords"), _tids("search", "xx", "keywords")]
+    for prompt, reply in cases:
+        for head in heads:
+            assert (propose(head, prompt + reply, len(prompt), TEXT, info)
+                    == propose(head, prompt + reply, len(prompt), anchor, info)), (reply, head)
+    # and the anchor's own results stand under text (test_anchor_* above)
+    assert propose(heads[0], p1 + cases[0][1], len(p1), TEXT, info) == _tids("vin", " k", "lein")
+    assert propose(heads[3], p1 + cases[1][1], len(p1), TEXT, info) == _tids(" only", "\n", '":')
+
+
+class _Tok:
+    """A tokenizer as ``TokenInfo.from_tokenizer`` reads one (the hand-made vocabulary)."""
+
+    all_special_ids = [0]
+
+    def __len__(self):
+        return len(_TTEXTS)
+
+    def decode(self, ids):
+        return "".join(_TTEXTS[i] for i in ids)
+
+    def encode(self, text, add_special_tokens=True):
+        assert add_special_tokens is False
+        return _tencode(text)
+
+
+def test_text_in_the_runner_with_token_info_from_the_tokenizer():
+    torch = pytest.importorskip("torch")
+    info = TokenInfo.from_tokenizer(_Tok())
+    assert info.texts[0] == "\x00" and info.encode("et,") == _tids("et", ",")
+    prompt = _tids("<s>", " brown", " jacket", ",", " size", " M", "\n")
+    row = prompt + _tids('{"', "keywords", '":', ' ["')
+    batch = _Batch([row], [len(row)], [len(prompt)], vocab_size=len(_TTEXTS))
+    runner = _Runner(batch, [False])
+    heads = torch.tensor([_tids("xx", '"],', "keywords")], dtype=torch.int32)
+    sampled = torch.tensor([[_TID["jack"], -1, -1, -1]])               # this step accepted "jack"
+    out = hybrid_drafts(runner, heads, sampled, TEXT, info)
+    assert out.tolist() == [_tids("et", '"],', "keywords")]

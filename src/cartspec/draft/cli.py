@@ -267,7 +267,7 @@ def acceptance(
     method: str = typer.Option("eagle3", help="eagle3 | ngram | hybrid (EAGLE-3 + prompt lookup)"),
     lookup_min: Optional[int] = typer.Option(None, help="hybrid: smallest n-gram the lookup matches"),
     lookup_max: Optional[int] = typer.Option(None, help="hybrid: largest n-gram the lookup matches"),
-    rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head | anchor (serving/hybrid.py)"),
+    rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head | anchor | text (serving/hybrid.py)"),
     scope: Optional[str] = typer.Option(None, help="hybrid: prompt | context (where the lookup searches)"),
     target: str = typer.Option("commerce", help="served model: commerce | base | PATH"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),

@@ -38,6 +38,16 @@ on the target's greedy replies (see ``RULES``):
   (3) at a value's first position (the context ends in an opening quote) a lookup that disagrees with the
   head is dropped: there it copies an earlier turn's value for the same key (``"intent": "search"`` in a
   refine turn), and the head knows the enum.
+* ``text``: ``anchor`` plus one step that matches text instead of token ids. Inside a string value of the
+  reply (its opening quote as ``value_start`` defines a value, not yet closed) where neither the n-gram
+  lookup nor the anchor's token/twin search has a draft, the value's text so far (its tokens decoded,
+  from after the quote) is searched, case-insensitively and at a word start, in the prompt's text (its
+  tokens decoded one by one), and the prompt's text after it, re-encoded with the served tokenizer, is
+  drafted, then cut where the head closes the value as in ``anchor``: a reply splits a copied word
+  differently from the prompt (``"jack`` + ``et`` where the shopper wrote `` jacket``), so after the
+  reply's first token no token id of the prompt matches, and the head drafts the rest of a word it
+  never saw. A reply value in lower case where the prompt's word is not (``nike`` for `` Nike``) gets
+  the continuation in lower case.
 
 The default, ``lookup`` in the prompt with 3–4-token matches, came out best in the
 simulator on the target's greedy replies to the first 200 test-split requests at
@@ -106,8 +116,8 @@ from typing import Any, Sequence
 import numpy as np
 
 ENV = "CARTSPEC_HYBRID"
-RULES = ("lookup", "agree", "head", "anchor")
-NEEDS_TOKENS = ("anchor",)  # rules that read the tokens' text (``TokenInfo``)
+RULES = ("lookup", "agree", "head", "anchor", "text")
+NEEDS_TOKENS = ("anchor", "text")  # rules that read the tokens' text (``TokenInfo``)
 SCOPES = ("prompt", "context")
 
 
@@ -168,6 +178,9 @@ def lookup(context: Sequence[int], k: int, n_min: int, n_max: int, limit: int | 
     return []
 
 
+SPECIAL_TEXT = "\x00"  # a special token in the prompt's text (``TokenInfo.texts``): no match crosses it
+
+
 @dataclass(frozen=True, eq=False)
 class TokenInfo:
     """What the ``anchor`` rule reads of each token id's text (arrays over the vocabulary).
@@ -176,7 +189,11 @@ class TokenInfo:
     only (no letter or digit, one of ``"{}[],:``); ``opens``: ends in ``"`` or ``["`` (opens a key or a
     string value); ``colon``: ends in ``:``; ``bracket``: ``[`` count minus ``]`` count; ``twin``: the
     same text with the leading space toggled (``"cal"`` <-> ``" cal"``) when that is one token, else -1:
-    a reply's value starts without the space its word has in the shopper's sentence."""
+    a reply's value starts without the space its word has in the shopper's sentence.
+
+    For the ``text`` rule only: ``texts``, each token's text with a special token's as ``SPECIAL_TEXT``
+    (a continuation stops there and a special token's text is never matched); ``encode(text)``: the served
+    tokenizer's ids for a text (no special tokens). ``None`` where the ``TokenInfo`` was built without them."""
 
     content: np.ndarray
     structure: np.ndarray
@@ -184,12 +201,14 @@ class TokenInfo:
     colon: np.ndarray
     bracket: np.ndarray
     twin: np.ndarray
+    texts: tuple[str, ...] | None = None
+    encode: Any = None
 
     @classmethod
     def from_texts(cls, texts: Sequence[str], special: Sequence[int] = (),
                    encode: Any = None) -> "TokenInfo":
         """``texts[i]``: token ``i`` decoded alone; ``encode(text)``: its ids (for ``twin``; without it,
-        a twin is a token whose text is exactly the toggled text)."""
+        a twin is a token whose text is exactly the toggled text; the ``text`` rule needs it)."""
         V = len(texts)
         sp = np.zeros(V, dtype=bool)
         sp[[i for i in special if 0 <= i < V]] = True
@@ -212,7 +231,8 @@ class TokenInfo:
                 j = ids[0] if len(ids) == 1 else -1
             if 0 <= j < V and not sp[j]:
                 twin[i] = j
-        return cls(content, structure, opens, colon, bracket.astype(np.int64), twin)
+        kept = tuple(SPECIAL_TEXT if sp[i] else t for i, t in enumerate(texts))
+        return cls(content, structure, opens, colon, bracket.astype(np.int64), twin, kept, encode)
 
     @classmethod
     def from_tokenizer(cls, tok) -> "TokenInfo":
@@ -232,11 +252,98 @@ def value_start(context: Sequence[int], prompt_len: int, info: TokenInfo) -> boo
     return bool(info.bracket[q] > 0 or info.colon[context[-3]] or info.bracket[context[prompt_len:]].sum() > 0)
 
 
+# the ``text`` rule's limits (module doc, ``text_lookup``)
+VALUE_TOKENS = 16  # tokens since the opening quote searched back for it: a longer value is free text, not a copy
+MIN_VALUE_CHARS = 2  # a value's text so far shorter than this is not looked up
+CONT_CHARS = 16  # the prompt's text re-encoded: this many characters per draft token, then on to the next space
+
+
+def value_open(context: Sequence[int], prompt_len: int, info: TokenInfo, max_tokens: int = VALUE_TOKENS) -> int:
+    """The position of the opening quote of the reply's string value the context ends inside (not closed
+    yet; a value as ``value_start`` defines one: the quote follows ``:`` or ``[`` or is inside an array),
+    or -1: outside a value (in a key, between values, in the prompt) or more than ``max_tokens`` into it.
+    The context's last token may be the quote itself (the value is empty so far). Needs ``info.texts``."""
+    texts = info.texts
+    L = len(context)
+    for q in range(L - 1, max(prompt_len, L - 1 - max_tokens, 1) - 1, -1):
+        t = context[q]
+        if '"' not in texts[t]:
+            continue
+        if info.opens[t] and (info.bracket[t] > 0 or info.colon[context[q - 1]]
+                              or info.bracket[context[prompt_len:q + 1]].sum() > 0):
+            return q
+        return -1  # the newest quote closes a string or opens a key
+    return -1
+
+
+def _fold(s: str) -> str:
+    """``s`` in lower case, character for character (offsets in it are offsets in ``s``)."""
+    low = s.lower()
+    if len(low) == len(s):  # lower() never shortens a character: equal lengths, equal offsets
+        return low
+    return "".join(c.lower() if len(c.lower()) == 1 else c for c in s)
+
+
+def text_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo) -> list[int]:
+    """The ``text`` rule's extra step (module doc): inside a reply's string value, the prompt's text after
+    the value's text so far (found at a word start, any case), re-encoded, up to ``k`` tokens; [] where
+    the context is not inside a value or its text is not in the prompt.
+
+    Cost per call (the runner calls it per request and step where nothing else matched): a walk back of
+    at most ``VALUE_TOKENS`` tokens to the newest quote, which ends there outside a value; inside one, a
+    join and a search of the prompt's text (linear in the prompt, in C) and one ``encode`` of about
+    ``CONT_CHARS * k`` characters."""
+    texts = info.texts
+    q = value_open(context, prompt_len, info)
+    if q < 0:
+        return []
+    value = texts[context[q]].rsplit('"', 1)[1] + "".join([texts[t] for t in context[q + 1:]])
+    # At least 2 characters: the value's first token is often a whole word (the anchor's token search has
+    # looked for it), and when it is 1 character long the prompt's latest word with that initial is a
+    # guess that would displace a head that knows the value (an enum, a size) more often than copy it.
+    # (SmolLM2 writes "navy" as "n" + "avy": such a value is helped from its second token on only.)
+    # A token that does not decode alone (a byte of a multi-byte character, U+FFFD) matches nothing real.
+    if (len(value) < MIN_VALUE_CHARS or not any(c.isalnum() for c in value) or "\ufffd" in value
+            or SPECIAL_TEXT in value):
+        return []
+    P = min(prompt_len, len(context))
+    text = "".join([texts[t] for t in context[:P]])
+    low, needle = _fold(text), _fold(value)
+    # The latest occurrence at a word start, not the earliest (as the n-gram lookup and the anchor's token
+    # search take): the reply extracts the request it answers, the prompt's last message, while earlier
+    # text is the system prompt ("Extract the shopper's product search ...": a value starting "pro" or
+    # "se" would continue from there), earlier turns and earlier replies. A word right after a special
+    # token is a chat template's role name ("<|im_start|>user"), written by no one: it does not count.
+    p = low.rfind(needle)
+    while p > 0 and (low[p - 1].isalnum() or low[p - 1] == SPECIAL_TEXT):
+        p = low.rfind(needle, 0, p + len(needle) - 1)
+    if p < 0:
+        return []
+    end = p + len(needle)
+    cont = text[end:]
+    stop = len(cont)
+    for mark in (SPECIAL_TEXT, "\ufffd"):  # the prompt's turn ends / a character that did not decode alone
+        i = cont.find(mark, 0, stop)
+        if i >= 0:
+            stop = i
+    if stop > CONT_CHARS * k:  # enough for k tokens, cut before a space: the tokens before it are unchanged
+        sp = cont.find(" ", CONT_CHARS * k, stop)
+        if sp >= 0:
+            stop = sp
+    cont = cont[:stop]
+    if not cont:
+        return []
+    if value == value.lower() and text[p:end] != value:
+        cont = cont.lower()  # the reply writes the shopper's word in lower case ("nike" for "Nike"): so on
+    return [int(i) for i in info.encode(cont)[:k]]
+
+
 def anchor_lookup(head: Sequence[int], context: Sequence[int], prompt_len: int, look: Sequence[int],
-                  info: TokenInfo) -> list[int]:
+                  info: TokenInfo, text: bool = False) -> list[int]:
     """The ``anchor`` rule's lookup tokens (module doc): ``look`` (the n-gram lookup's) dropped at a value's
     start where it disagrees with the head, else, where there is none and the context's last token starts a
-    value, the prompt's continuation after that word (spaced or not); cut where the head closes the value."""
+    value, the prompt's continuation after that word (spaced or not); cut where the head closes the value.
+    ``text`` (the ``text`` rule): where there is still none, ``text_lookup``'s, cut the same way."""
     look = list(look)
     if look and look[0] != head[0] and info.opens[context[-1]]:
         look = []  # a value's first token: the lookup would copy an earlier turn's value, the head knows better
@@ -248,6 +355,8 @@ def anchor_lookup(head: Sequence[int], context: Sequence[int], prompt_len: int, 
                 if context[q] in cands:
                     look = list(context[q + 1:min(prompt_len, q + 1 + len(head))])
                     break
+    if not look and text:
+        look = text_lookup(context, prompt_len, len(head), info)
     for j in range(min(len(look), len(head))):
         if look[j] != head[j] and info.structure[head[j]]:
             return look[:j]  # the head closes the value (or the array) here: the prompt's sentence goes on
@@ -261,7 +370,7 @@ def combine(head: Sequence[int], look: Sequence[int], rule: str = "lookup") -> l
     look = list(look)[:len(head)]
     if rule == "head" or not look:
         return head
-    if rule in ("lookup", "anchor"):  # anchor: ``look`` is already ``anchor_lookup``'s
+    if rule in ("lookup", "anchor", "text"):  # anchor, text: ``look`` is already ``anchor_lookup``'s
         return look + head[len(look):]
     if rule == "agree":
         if look[0] == head[0]:
@@ -282,7 +391,10 @@ def propose(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: H
     if cfg.rule in NEEDS_TOKENS:
         if info is None:
             raise ValueError(f"hybrid rule {cfg.rule!r} needs the tokens' text (TokenInfo)")
-        look = anchor_lookup(head, context, prompt_len, look, info)
+        if cfg.rule == "text" and (info.texts is None or info.encode is None):
+            raise ValueError("hybrid rule 'text' needs the tokens' texts and the tokenizer's encode "
+                             "(TokenInfo.from_tokenizer, or from_texts with encode)")
+        look = anchor_lookup(head, context, prompt_len, look, info, text=cfg.rule == "text")
     return combine(head, look, cfg.rule)
 
 

@@ -34,7 +34,7 @@ class Speculative(BaseModel):
     model: str | None = Field(None, description="EAGLE-3 head or draft model: 'domain', 'generic' or a path")
     prompt_lookup_min: int | None = Field(None, ge=1)
     prompt_lookup_max: int | None = Field(None, ge=1)
-    hybrid_rule: Literal["lookup", "agree", "head", "anchor"] | None = Field(
+    hybrid_rule: Literal["lookup", "agree", "head", "anchor", "text"] | None = Field(
         None, description="hybrid: how the lookup and the head's draft combine per position (serving/hybrid.py)")
     lookup_scope: Literal["prompt", "context"] | None = Field(
         None, description="hybrid: look up in the prompt only, or in prompt + output as vLLM's n-gram does")
