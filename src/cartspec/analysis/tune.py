@@ -19,6 +19,12 @@ The speedup a γ is judged by is the mean over the temperatures the head was mea
 sampled traffic both count), and the chosen k is the γ with the highest one, or 0 when none beats
 plain decoding by ``min_speedup``. γ above the largest one measured is not considered: the acceptance
 at positions never drafted is unknown.
+
+γ never rises with the batch (``monotone``). The batch sizes where the deciding γ was measured, and
+measured within reach of the model's prediction, anchor the schedule; a batch size between two anchors
+keeps a γ between theirs. So the model's guess between two measurements cannot overrule both (it did:
+γ=2 predicted at 9-15 capped the γ=3 that 16 streams measured fastest), and a point far off the model
+(a stall of the host) anchors nothing.
 """
 
 from __future__ import annotations
