@@ -200,3 +200,33 @@ def test_batch_sizes_between_two_measurements_follow_them_not_the_model():
         f"batch 17-23: γ=2 (model) raised to γ=3, the γ of the measured batch 24 {raised}",
         f"batch 24: γ=5 (measured) capped at γ=3, the γ of batch 16 {raised}",
     ]
+
+
+def _in_rounds(results, concurrency, ratios):
+    """The points at ``concurrency`` as if measured in rounds beside each other: the baseline's slices even,
+    the head's at ``ratios`` of them."""
+    from cartspec.results import PointSlice
+
+    out = []
+    for r in results:
+        if r.config.concurrency != concurrency:
+            out.append(r)
+            continue
+        head = r.config.method != "none"
+        slices = [PointSlice(wall_s=1.0, n_requests=8, output_tokens=int(100 * (x if head else 1))) for x in ratios]
+        out.append(r.model_copy(update={"slices": slices, "beside": ["baseline"] if head else [r.config.deployment]}))
+    return out
+
+
+def test_speculation_must_clear_plain_decoding_beyond_the_noise_where_measured_in_rounds():
+    """At 4 streams the head measured faster than the baseline. With paired slices that agree it stays on;
+    with slices whose interval reaches below 1 (a gain the noise can erase) the schedule decodes plainly
+    there: off costs the small gain, on risks falling below the baseline."""
+    base = wins_small_run()
+    tight = tune_schedule(_in_rounds(base, 4, [1.2, 1.25, 1.22, 1.24]))
+    assert {c.batch: c.k for c in tight.choices}[4] == 3
+    wide = tune_schedule(_in_rounds(base, 4, [1.9, 0.7, 1.8, 0.75]))
+    by = {c.batch: c for c in wide.choices}
+    assert by[4].speedup[3] > 1 and by[4].k == 0 and by[3].k == 3
+    assert any(n.startswith("batch 4: γ=3 measured") and "95% interval reaches" in n and n.endswith(
+        "off (speculation must beat plain decoding beyond the noise)") for n in wide.notes)

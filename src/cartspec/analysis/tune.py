@@ -18,7 +18,10 @@ cannot tell them apart and the measurement can.
 The speedup a γ is judged by is the mean over the temperatures the head was measured at (greedy and
 sampled traffic both count), and the chosen k is the γ with the highest one, or 0 when none beats
 plain decoding by ``min_speedup``. γ above the largest one measured is not considered: the acceptance
-at positions never drafted is unknown.
+at positions never drafted is unknown. Where the head and the baseline were measured in rounds beside
+each other, the chosen γ must also clear ``min_speedup`` with the lower end of its 95% interval (mean over
+the temperatures): the goal is asymmetric, since decoding plainly where speculation gains a few percent
+costs those few percent, while speculating where the gain is noise can fall below the baseline.
 
 γ never rises with the batch (``monotone``). The batch sizes where the deciding γ was measured, and
 measured within reach of the model's prediction, anchor the schedule; a batch size between two anchors
@@ -122,6 +125,25 @@ def measured_speedups(results: Iterable[PointResult], head: str) -> dict[tuple[f
     return {k: float(np.mean(v)) for k, v in ratios.items()}
 
 
+def measured_lows(results: Iterable[PointResult], head: str) -> dict[tuple[float, int, int], float]:
+    """(temperature, concurrency, γ) -> the lower end of the 95% interval of this head's speedup over the
+    baseline, where both were measured in rounds beside each other (``analysis.study.slice_ratio_ci``);
+    absent elsewhere."""
+    from .study import slice_ratio_ci
+
+    results = list(results)
+    base = {_same_load(r): r for r in results if r.config.method == "none" and exclusion(r) is None}
+    lows: dict[tuple[float, int, int], list[float]] = {}
+    for r in results:
+        c = r.config
+        b = base.get(_same_load(r))
+        if c.method in MODEL_DRAFTERS and (c.head or c.method) == head and exclusion(r) is None and b:
+            ci = slice_ratio_ci(r, b)
+            if ci:
+                lows.setdefault((c.temperature, int(c.concurrency), int(c.gamma)), []).append(ci[0])
+    return {k: float(np.mean(v)) for k, v in lows.items()}
+
+
 def pick_head(obs: list[Observation], head: str | None) -> str:
     counts: dict[str, int] = {}
     for o in obs:
@@ -167,6 +189,7 @@ def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_g
         at = [o for o in obs if o.result.config.temperature == t and (o.gamma == 0 or o.head == head)]
         lengths[t] = (float(np.mean([o.prompt_tokens for o in at])), float(np.mean([o.output_tokens for o in at])))
     measured = measured_speedups(results, head)
+    lows = measured_lows(results, head)
     margin = model.loo_median_abs_error if model.loo_median_abs_error is not None else model.median_abs_error
 
     choices = []
@@ -204,6 +227,15 @@ def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_g
                              f"γ={best} ({speedup[best]:.2f}), within the model's error of {margin:.0%}")
                 best = top_meas
         k = best if best and speedup[best] > min_speedup else 0
+        # Measured in rounds, speculation must clear plain decoding beyond the noise: off where the interval
+        # of the chosen γ's speedup reaches below min_speedup (mean over the temperatures of its lower ends).
+        # The goal is asymmetric: off where speculation gains a few percent costs those few percent, on
+        # where it turns out to lose falls below the baseline.
+        low = [lows[(t, b, k)] for t in temps if (t, b, k) in lows] if k else []
+        if k and len(low) == len(temps) and float(np.mean(low)) <= min_speedup:
+            notes.append(f"batch {b}: γ={k} measured ×{speedup[k]:.2f}, but its 95% interval reaches "
+                         f"×{float(np.mean(low)):.2f}: off (speculation must beat plain decoding beyond the noise)")
+            k = 0
         reason = "measured" if any(source[g] != "model" for g in gammas[1:]) else "model"
         # An anchor: the decisive γ (the chosen one, or the best measured one where none pays) was measured
         # here and is no outlier of the model (within ``ANCHOR_REACH`` x its error): the batch sizes
