@@ -110,18 +110,25 @@ def _same_load(r: PointResult) -> tuple:
     return (c.request_set, c.concurrency, c.temperature, c.max_tokens, c.structured)
 
 
-def measured_speedups(results: Iterable[PointResult], head: str) -> dict[tuple[float, int, int], float]:
-    """(temperature, concurrency, γ) -> this head's throughput / the baseline's at the same load (mean over
-    request sets), from closed-loop points with a fixed γ."""
+def _head_beside_baseline(results: Iterable[PointResult], head: str):
+    """(temperature, concurrency, γ), the head's point and the baseline's at the same load: closed-loop
+    points with a fixed γ."""
     results = list(results)
-    base = {_same_load(r): r.output_throughput for r in results
-            if r.config.method == "none" and exclusion(r) is None}
-    ratios: dict[tuple[float, int, int], list[float]] = {}
+    base = {_same_load(r): r for r in results if r.config.method == "none" and exclusion(r) is None}
     for r in results:
         c = r.config
         b = base.get(_same_load(r))
         if c.method in MODEL_DRAFTERS and (c.head or c.method) == head and exclusion(r) is None and b:
-            ratios.setdefault((c.temperature, int(c.concurrency), int(c.gamma)), []).append(r.output_throughput / b)
+            yield (c.temperature, int(c.concurrency), int(c.gamma)), r, b
+
+
+def measured_speedups(results: Iterable[PointResult], head: str) -> dict[tuple[float, int, int], float]:
+    """(temperature, concurrency, γ) -> this head's throughput / the baseline's at the same load (mean over
+    request sets), from closed-loop points with a fixed γ."""
+    ratios: dict[tuple[float, int, int], list[float]] = {}
+    for key, r, b in _head_beside_baseline(results, head):
+        if b.output_throughput:
+            ratios.setdefault(key, []).append(r.output_throughput / b.output_throughput)
     return {k: float(np.mean(v)) for k, v in ratios.items()}
 
 
@@ -131,16 +138,11 @@ def measured_lows(results: Iterable[PointResult], head: str) -> dict[tuple[float
     absent elsewhere."""
     from .study import slice_ratio_ci
 
-    results = list(results)
-    base = {_same_load(r): r for r in results if r.config.method == "none" and exclusion(r) is None}
     lows: dict[tuple[float, int, int], list[float]] = {}
-    for r in results:
-        c = r.config
-        b = base.get(_same_load(r))
-        if c.method in MODEL_DRAFTERS and (c.head or c.method) == head and exclusion(r) is None and b:
-            ci = slice_ratio_ci(r, b)
-            if ci:
-                lows.setdefault((c.temperature, int(c.concurrency), int(c.gamma)), []).append(ci[0])
+    for key, r, b in _head_beside_baseline(results, head):
+        ci = slice_ratio_ci(r, b)
+        if ci:
+            lows.setdefault(key, []).append(ci[0])
     return {k: float(np.mean(v)) for k, v in lows.items()}
 
 
