@@ -201,22 +201,22 @@ def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_g
         predicted: dict[int, float] = {}
         source: dict[int, str] = {}
         for g in gammas:
-            per_t, model_thr, n_meas = [], [], 0
+            per_t, model_thr, model_sp, n_meas = [], [], [], 0
             for t in temps:
                 p, n = lengths[t]
                 acc = acceptance_for(obs, head, t, g, b) if g else []
                 x = model.predict_throughput(b, g, acc, p, n)
                 x0 = model.predict_throughput(b, 0, [], p, n)
                 model_thr.append(x)
+                model_sp.append(x / x0)
                 if g and (t, b, g) in measured:
                     per_t.append(measured[(t, b, g)])
                     n_meas += 1
                 else:
-                    per_t.append(x / x0)
+                    per_t.append(model_sp[-1])
             thr[g] = float(np.mean(model_thr))
             speedup[g] = float(np.mean(per_t))
-            predicted[g] = float(np.mean([x / model.predict_throughput(b, 0, [], *lengths[t])
-                                          for x, t in zip(model_thr, temps)]))
+            predicted[g] = float(np.mean(model_sp))
             source[g] = "measured" if n_meas == len(temps) else "mixed" if n_meas else "model"
         best = max(gammas[1:], key=lambda g: (speedup[g], -g), default=0)
         # A γ the model alone speaks for displaces a measured one only when it is predicted faster by
