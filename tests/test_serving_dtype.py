@@ -112,6 +112,27 @@ def test_results_on_a_cpu_carry_no_gpu_keys(cpu):
     assert "gpu" not in v and "gpu_count" not in v and v["cpu_features"] == "avx2"
 
 
+def test_a_result_names_the_commit_that_measured_it(tmp_path):
+    import shutil
+    import subprocess
+
+    if not shutil.which("git"):
+        pytest.skip("git is not installed")
+    assert engine.source_commit(tmp_path) == "-"  # not a checkout (an installed wheel)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert engine.source_commit(tmp_path) == head
+    (tmp_path / "new.py").write_text("")  # untracked files do not make it dirty
+    assert engine.source_commit(tmp_path) == head
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert engine.source_commit(tmp_path) == head + "+dirty"
+    assert "cartspec_commit" in engine.engine_versions()
+
+
 def test_a_schedule_is_checked_and_looked_up_like_vllm():
     sp = Speculative(method="eagle3", model="domain", num_speculative_tokens=3, schedule=[(1, 1, 3), (2, 8, 2),
                                                                                            (9, 64, 0)])

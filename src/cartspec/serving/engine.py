@@ -123,6 +123,25 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def source_commit(src: str | Path | None = None) -> str:
+    """The git commit cartspec runs from (short id, ``+dirty`` where tracked files differ from it), or
+    ``"-"`` where it is not a git checkout (an installed wheel) or git is missing: a result then names the
+    version of the code that measured it, not only the package version."""
+    import subprocess
+
+    src = Path(src) if src else Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return "-"
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+
+
 @functools.lru_cache(maxsize=1)
 def engine_versions() -> dict[str, str]:
     """Recorded with every result: which engine, torch and machine produced it. On CUDA also ``gpu``
@@ -132,6 +151,7 @@ def engine_versions() -> dict[str, str]:
         "torch": _version("torch") or "missing",
         "transformers": _version("transformers") or "missing",
         "cartspec": _version("cartspec") or "dev",
+        "cartspec_commit": source_commit(),
         "python": platform.python_version(),
         "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "device": "cuda" if has_cuda() else "cpu",
