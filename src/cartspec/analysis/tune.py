@@ -229,10 +229,7 @@ def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_g
                              f"γ={best} ({speedup[best]:.2f}), within the model's error of {margin:.0%}")
                 best = top_meas
         k = best if best and speedup[best] > min_speedup else 0
-        # Measured in rounds, speculation must clear plain decoding beyond the noise: off where the interval
-        # of the chosen γ's speedup reaches below min_speedup (mean over the temperatures of its lower ends).
-        # The goal is asymmetric: off where speculation gains a few percent costs those few percent, on
-        # where it turns out to lose falls below the baseline.
+        # Measured in rounds: the chosen γ must clear min_speedup with its interval's lower end too (module doc).
         low = [lows[(t, b, k)] for t in temps if (t, b, k) in lows] if k else []
         if k and len(low) == len(temps) and float(np.mean(low)) <= min_speedup:
             notes.append(f"batch {b}: γ={k} measured ×{speedup[k]:.2f}, but its 95% interval reaches "
