@@ -472,3 +472,52 @@ def test_points_in_rounds_take_turns_slice_by_slice_and_merge_into_the_point_a_s
     # the speculative counters of the slices add up
     spec = next(r for r in results if r.config.deployment == "ngram-g3" and r.config.concurrency == 1)
     assert spec.acceptance is not None and spec.acceptance.drafted > 0
+
+
+def test_restart_rounds_start_the_servers_again_in_rotated_order_and_warm_up_each_fresh_one(tmp_path):
+    """An offset that follows a server process (or its start position) must land on every deployment alike:
+    after each round every server is stopped and the group started again, the start order rotated by one.
+    Each fresh server warms up before its first slice; the points merge as in plain rounds."""
+    starts: list[str] = []
+    instances: list[TrivialServer] = []
+    inner = fake_launcher(tmp_path, {}, starts=starts)
+
+    @contextlib.contextmanager
+    def launch(spec, log_dir):
+        with inner(spec, log_dir) as dep:
+            instances.append(dep.srv)
+            yield dep
+
+    order = _Order()
+    p = plan("baseline", "ngram:3", "ngram:5", concurrencies=[1, 2], temperatures=[0.5], n_requests=12, warmup=1,
+             interleave=3, rounds=3, restart_rounds=True)
+    results = run_sweep(p, tmp_path / "run", launcher=launch, reporter=order)
+    assert all(r.status == "ok" for r in results) and len(results) == 6
+    assert starts == ["baseline", "ngram-g3", "ngram-g5", "ngram-g3", "ngram-g5", "baseline",
+                      "ngram-g5", "baseline", "ngram-g3"]
+    assert [part for _, part in order.started] == [0] * 6 + [1] * 6 + [2] * 6  # round by round
+    # warm-up seeds are drawn from 1_000_000 on: two per server in round 0 (each point's first slice), one
+    # per server afterwards (its first slice after the restart), none before the round's second point
+    warm = sorted(sum(1 for s in srv.counters.seeds if s >= 1_000_000) for srv in instances)
+    assert warm == [1] * 6 + [2] * 3
+    for label in ("baseline", "ngram-g3", "ngram-g5"):
+        measured = [s for srv, who in zip(instances, starts) if who == label
+                    for s in srv.counters.seeds if s < 1_000_000]
+        assert sorted(measured) == sorted(list(range(12)) * 2)  # every request of both points once
+    for r in results:
+        assert [s.n_requests for s in r.slices] == [4, 4, 4]
+        assert r.n_warmup == (3 if r.config.concurrency == 1 else 1)  # c=1 is each round's first point
+        assert len(r.beside) == 2
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["plan"]["restart_rounds"] is True
+    assert "every server started again between rounds in rotated order" in build_report(tmp_path / "run").html.read_text()
+
+
+def test_the_cli_refuses_restart_rounds_without_rounds_to_restart_between(tmp_path):
+    from typer.testing import CliRunner
+
+    from cartspec.cli import app
+
+    res = CliRunner().invoke(app, ["study", "--out", str(tmp_path), "--deployments", "baseline,ngram:3",
+                                   "--interleave", "2", "--restart-rounds"])
+    assert res.exit_code == 2 and "--rounds 2 or more" in " ".join(res.output.split())
+    assert not (tmp_path / "results.jsonl").exists()

@@ -227,6 +227,7 @@ class RunInfo(BaseModel):
     interleave: int = Field(1, description="servers up at once, measured in turn at every point; 1: one "
                                            "deployment after another (ratios then carry the host's drift)")
     rounds: int = Field(1, description="slices per point, the servers taking turns at every slice")
+    restart_rounds: bool = Field(False, description="servers started again between rounds, in rotated order")
 
 
 class StudyAnalysis(BaseModel):
@@ -675,7 +676,8 @@ def analyse(results: list[PointResult], manifest: RunManifest | None = None, run
                     invocations=manifest.invocations,
                     dtypes=sorted({r.dtype for r in rows if r.dtype}), seconds=manifest.seconds,
                     interleave=int(manifest.plan.get("interleave") or 1),
-                    rounds=int(manifest.plan.get("rounds") or 1)),
+                    rounds=int(manifest.plan.get("rounds") or 1),
+                    restart_rounds=bool(manifest.plan.get("restart_rounds"))),
         slo_e2el_s=slo, target_rps=target, points=rows, capacity=caps, quality_tests=tests,
         published_comparison=comparison, verdict=text, quality=(quality or {}).get("entries", []),
         quality_judge=judge, quality_metric=(quality or {}).get("metric"),

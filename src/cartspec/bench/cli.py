@@ -134,6 +134,10 @@ def study(
         None, min=1, help="measure every point in this many slices, the interleaved servers taking turns at each "
                           "slice (default: the preset's; paper 1): ratios between deployments then rest on pairs "
                           "measured seconds apart, and the report gives each a confidence interval"),
+    restart_rounds: bool = typer.Option(
+        False, "--restart-rounds", help="with --rounds: stop the servers after every round and start them again "
+                                        "in rotated order, so that an offset of one server process lands on "
+                                        "every deployment alike (costs a server start per deployment per round)"),
 ) -> None:
     """Run the speculative-decoding study (sweep, then report) and print a verdict."""
     from ..report.build import build_report
@@ -206,6 +210,11 @@ def study(
     plan.samples = samples
     plan.interleave = interleave or plan.interleave
     plan.rounds = rounds or plan.rounds
+    plan.restart_rounds = restart_rounds or plan.restart_rounds
+    if plan.restart_rounds and (plan.rounds < 2 or plan.interleave < 2 or server):
+        console.print("[bold red]error:[/] --restart-rounds restarts the servers of an interleaved study between "
+                      "its rounds: give --rounds 2 or more and --interleave 2 or more, without --server")
+        raise typer.Exit(2)
     if plan.rounds > 1 and (plan.interleave < 2 or server):
         console.print("[bold yellow]--rounds without --interleave: the slices of each deployment follow one "
                       "another, so no ratio gets an interval; add --interleave 2 or more[/]")

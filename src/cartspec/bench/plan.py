@@ -37,6 +37,11 @@ class SweepPlan(BaseModel):
     rounds: int = Field(1, ge=1, description="each point measured in this many slices of consecutive requests, "
                                              "the servers of a group taking turns at every slice (at least two "
                                              "requests per stream in a slice); the slices merge into the point")
+    restart_rounds: bool = Field(False, description="stop the group's servers after every round and start them "
+                                                    "again, the start order rotated by one: an offset that follows "
+                                                    "a server process (or the order the servers started in) then "
+                                                    "lands on every deployment alike instead of on one (needs "
+                                                    "rounds and interleave above 1; a start per server per round)")
     server_url: str | None = Field(None, description="measure this running endpoint instead of starting vLLM")
     served_name: str | None = None
 

@@ -2,7 +2,8 @@
 
 Each deployment is started once and measured at all its points: one after
 another, or (``interleave`` > 1) several up at once and measured in turn at every
-point, so that the host's drift lands on all alike. Every point is appended to
+point, so that the host's drift lands on all alike; with ``restart_rounds`` the
+servers of a group are started again before every round, in rotated order. Every point is appended to
 ``results.jsonl`` as soon as it is measured, so a sweep killed at any moment loses
 at most the point in flight, and a rerun skips what is done.
 A deployment that does not start (missing head, rejected by vLLM) and a point
@@ -186,8 +187,9 @@ def _run_group(plan: SweepPlan, todo: list[tuple[DeploymentSpec, list[PointConfi
     hold another: a server is started only while the memory left exceeds what the last one took), then measure
     each point of the grid on every started deployment in turn, the order rotating from one point to the next
     (one deployment: its points in order). A point in rounds is measured slice by slice, every deployment
-    taking its turn at each slice, the order rotating from slice to slice. Started deployments are removed
-    from ``todo``; returns the number of points recorded."""
+    taking its turn at each slice, the order rotating from slice to slice (with ``plan.restart_rounds``: round
+    by round, see ``_restarting_rounds``). Started deployments are removed from ``todo``; returns the number
+    of points recorded."""
     measured = 0
     group: list[_Live] = []
     with contextlib.ExitStack() as stack:
@@ -214,17 +216,51 @@ def _run_group(plan: SweepPlan, todo: list[tuple[DeploymentSpec, list[PointConfi
             for cfg in live.pending:
                 if _cell(cfg) not in cells:
                     cells.append(_cell(cfg))
+        if plan.restart_rounds and len(group) > 1:
+            return measured + _restarting_rounds(group, cells, plan.rounds)
         turn = 0
         for cell in cells:
             rounds = max((len(c.slice_bounds()) for live in group for c in live.pending if _cell(c) == cell),
                          default=1)
             for j in range(rounds):
-                k = turn % max(len(group), 1)
+                measured += _turns(group, cell, j, turn)
                 turn += 1
-                for live in group[k:] + group[:k]:
-                    cfg = next((c for c in live.pending if _cell(c) == cell), None)
-                    if cfg is not None and j < len(cfg.slice_bounds()):
-                        measured += live.measure(cfg, j)
+    return measured
+
+
+def _turns(group: list[_Live], cell: tuple, part: int, turn: int) -> int:
+    """Slice ``part`` of ``cell``'s point on every deployment of the group, starting with deployment
+    ``turn`` (mod the group) so that no deployment always goes first."""
+    k = turn % max(len(group), 1)
+    measured = 0
+    for live in group[k:] + group[:k]:
+        cfg = next((c for c in live.pending if _cell(c) == cell), None)
+        if cfg is not None and part < len(cfg.slice_bounds()):
+            measured += live.measure(cfg, part)
+    return measured
+
+
+def _restarting_rounds(group: list[_Live], cells: list[tuple], rounds: int) -> int:
+    """Round by round: slice j of every cell on every deployment, then every server stopped and started again
+    in a start order rotated by one. Two identical servers of one group can differ by several percent for as
+    long as they run (measured on a 2-core CPU: 12% at 32 streams, the server started second the slower);
+    restarting them in rotated order spreads that offset over every deployment's slices, where the paired
+    intervals see it as noise, instead of biasing one deployment's ratio. A fresh server warms up before its
+    first slice."""
+    measured, turn = 0, 0
+    for j in range(rounds):
+        if j > 0:
+            if not any(live.pending for live in group):
+                break
+            for live in group:
+                live.stop()
+            k = j % len(group)
+            for live in group[k:] + group[:k]:
+                if live.pending and not live.start():
+                    measured += live.fail_rest(live.reason)
+        for cell in cells:
+            measured += _turns(group, cell, j, turn)
+            turn += 1
     return measured
 
 
@@ -248,6 +284,7 @@ class _Live:
         self.reason = ""
         self.parts: dict[str, list[_Slice]] = {}  # the slices of points in rounds measured so far
         self.beside: list[str] = []  # the other deployments of the group, measured in turn with this one
+        self.fresh = False  # started since its last slice: the next slice warms it up first
 
     def start(self) -> bool:
         self.reporter.deployment(self.label, "starting")
@@ -261,6 +298,7 @@ class _Live:
             self.reporter.deployment(self.label, "failed")
             return False
         self.info = self.ep.describe()
+        self.fresh = True
         self.reporter.deployment(self.label, "running")
         return True
 
@@ -290,7 +328,9 @@ class _Live:
             self.parts[cfg.key] = []
         self.reporter.point_started(cfg, part)
         done = self.parts[cfg.key]
-        res = _measure(cfg, self.ep, self.info, self.machine, self.reporter, part=part, done=done)
+        res = _measure(cfg, self.ep, self.info, self.machine, self.reporter, part=part, done=done,
+                       warm=part == 0 or self.fresh)
+        self.fresh = False
         if isinstance(res, _Slice):
             done.append(res)
             if part + 1 < len(bounds):
@@ -380,9 +420,10 @@ class _Slice:
 
 
 def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Machine, reporter: Reporter,
-             part: int = 0, done: Sequence[_Slice] = ()) -> _Slice | PointResult:
-    """Run slice ``part`` of ``cfg`` (its warm-up before the first slice only); a failed point when the slice
-    fails or the server died (with the records of the slices ``done`` before it and this one's)."""
+             part: int = 0, done: Sequence[_Slice] = (), warm: bool = True) -> _Slice | PointResult:
+    """Run slice ``part`` of ``cfg``, after the point's warm-up where ``warm`` (its first slice, and the first
+    slice on a server that was just started); a failed point when the slice fails or the server died (with the
+    records of the slices ``done`` before it and this one's)."""
     started = now_iso()
     bounds = cfg.slice_bounds()
     offset, count = bounds[part]
@@ -394,7 +435,7 @@ def _measure(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine: Mach
                                      cfg.max_tokens, cfg.structured)
             requests = with_samples(requests, cfg.n_requests, cfg.samples)
         load = LoadConfig(mode=cfg.mode, concurrency=cfg.concurrency or 1, rate=cfg.rate, n_requests=count,
-                          offset=offset, warmup=cfg.warmup if part == 0 else 0,
+                          offset=offset, warmup=cfg.warmup if warm else 0,
                           duration_s=cfg.duration_s / len(bounds) if cfg.duration_s else None,
                           temperature=cfg.temperature, seed=cfg.seed)
         result = asyncio.run(run_load(ep.url, ep.served_name, requests, load,
@@ -440,7 +481,7 @@ def _merged(cfg: PointConfig, slices: Sequence[_Slice], info: DeploymentInfo, ma
                         output_tokens=sum(r.output_tokens for r in s.load.records if r.ok))
              for s in slices] if len(slices) > 1 else []
     res = PointResult.measured(cfg, records, shift, acceptance, started_at=slices[0].started_at,
-                               machine=machine, deployment=info, n_warmup=slices[0].load.n_warmup,
+                               machine=machine, deployment=info, n_warmup=sum(s.load.n_warmup for s in slices),
                                json_valid=json_valid, exact_match=exact, slices=parts,
                                beside=list(beside) if parts else [])
     if res.n_errors == res.n_requests:
