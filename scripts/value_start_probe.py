@@ -8,6 +8,9 @@ token in the head's top-20, whether it is in the prompt, and a rule that replace
 token by its best-ranked candidate found in the prompt (a token or its leading-space twin), only where
 the head's own first token is not in the prompt, its probability is at most MAX_P and the candidate's is
 at least RATIO × it. Prints per token class the counts, and the rule's gain in correct first tokens.
+Then a pointer: the head's output scored against the target's lm_head rows of the prompt's content
+tokens (and twins), drafted vocabulary or not, its pick replacing the head's where the head's first
+token is not in the prompt and no more likely than MAX_P.
 
     .venv/bin/python scripts/value_start_probe.py test 200
 """
@@ -31,7 +34,9 @@ classes = _classes_for(tok, reqs, [r["output_ids"] for r in records])
 info = TokenInfo.from_tokenizer(tok)
 head = load_head(resolve_head("domain"))
 head.eval()
-embed = load_target_weights(model_dir)["embed"].float()
+target = load_target_weights(model_dir)
+embed = target["embed"].float()
+lm = target["lm_head"].float()  # the head's own lm_head started as these rows (``draft.train.init_head``)
 rows = []
 with torch.no_grad():
     for s in range(fs.n_seqs):
@@ -49,11 +54,18 @@ with torch.no_grad():
         cands = head.to_target(ids)
         prompt = set(toks[:P])
         in_prompt = lambda t: t in prompt or int(info.twin[t]) in prompt  # noqa: E731
+        # the pointer: the head's output scored against the target's lm_head rows of the prompt's content
+        # tokens and their leading-space twins (any of them, drafted vocabulary or not)
+        pool = sorted({x for t in prompt for x in (t, int(info.twin[t])) if x >= 0 and bool(info.content[x])})
+        full = head.norm(out["hidden"].float()) @ lm[pool].T  # [n, |pool|]
+        order = full.argsort(-1, descending=True)
         for n, j in enumerate(js):
             c = cands[n].tolist()
+            ranked = [pool[i] for i in order[n].tolist()]
             rows.append(dict(cls=classes[s][j - P], true=toks[j], rank=c.index(toks[j]) if toks[j] in c else -1,
                              in_prompt=in_prompt(toks[j]), cands=c, probs=probs[n].tolist(),
-                             ok=[in_prompt(x) and bool(info.content[x]) for x in c]))
+                             ok=[in_prompt(x) and bool(info.content[x]) for x in c],
+                             ptr=ranked[0], ptr_rank=ranked.index(toks[j]) if toks[j] in ranked else -1))
 
 
 def pick(r, max_p, ratio):
@@ -72,6 +84,8 @@ for r in rows:
     b["top5"] += 0 <= r["rank"] < 5
     b[f"top{K}"] += r["rank"] >= 0
     b["in_prompt"] += r["in_prompt"]
+    b["ptr_top1"] += r["ptr_rank"] == 0
+    b["ptr_top3"] += 0 <= r["ptr_rank"] < 3
 for cls, b in sorted(by.items()):
     print(f"  {cls:22s} " + " ".join(f"{k}={v}" for k, v in b.items()))
 print("rule: correct first tokens gained (+) or lost (-) against the head's top-1, per class")
@@ -80,3 +94,10 @@ for max_p in (0.3, 0.5, 0.7, 1.0):
         hit = collections.Counter(r["cls"] for r in rows if pick(r, max_p, ratio) == r["true"])
         gain = {cls: hit[cls] - b["top1"] for cls, b in sorted(by.items())}
         print(f"  max_p={max_p:.1f} ratio={ratio:.2f} " + " ".join(f"{k}={v:+d}" for k, v in gain.items()))
+print("pointer: the head's top-1 replaced by the pointer's pick where it is not in the prompt and its "
+      "probability is at most max_p; gained (+) or lost (-) per class")
+for max_p in (0.3, 0.5, 0.7, 0.9, 1.0):
+    hit = collections.Counter(r["cls"] for r in rows
+                              if (r["ptr"] if not r["ok"][0] and r["probs"][0] <= max_p else r["cands"][0]) == r["true"])
+    gain = {cls: hit[cls] - b["top1"] for cls, b in sorted(by.items())}
+    print(f"  max_p={max_p:.1f} " + " ".join(f"{k}={v:+d}" for k, v in gain.items()))

@@ -198,3 +198,27 @@ def test_the_adaptive_goal_is_met_missed_or_within_the_noise_of_its_slices():
     # the speedup column carries the interval too
     spec_row = next(r for r in study_rows([base, slow]) if r.speculative)
     assert spec_row.speedup_ci95 is not None and spec_row.speedup_ci95[1] < 1.0
+
+
+def test_the_adaptive_point_is_set_beside_the_fixed_row_that_runs_its_gamma():
+    """Where the schedule runs γ=5 at the load, the yardstick is the γ=5 row even when γ=3 measured faster;
+    where it runs γ=0, the baseline."""
+    from cartspec.analysis.study import adaptive_table, study_rows
+
+    base = _sliced("baseline", "none", None, [100.0, 100.0, 100.0, 100.0])
+    g3 = _sliced("eagle3-domain-g3", "eagle3", 3, [160.0, 150.0, 155.0, 165.0])
+    g5 = _sliced("eagle3-domain-g5", "eagle3", 5, [150.0, 140.0, 145.0, 150.0])
+    auto = _sliced("eagle3-domain-auto", "eagle3", None, [147.0, 140.0, 144.0, 150.0], schedule=[[1, 2, 3], [3, 64, 5]])
+    results = [base, g3, g5, auto]
+    row, = adaptive_table(study_rows(results), results)
+    assert row.gamma_at_load == 5 and row.best_fixed == "eagle3-domain-g3" and not row.meets
+    assert row.same_gamma == "eagle3-domain-g5" and row.vs_same_gamma == pytest.approx(auto.output_throughput / g5.output_throughput)
+    lo, hi = row.vs_same_gamma_ci95
+    assert lo < 0.995 < hi
+    plain = _sliced("eagle3-domain-auto", "eagle3", None, [101.0, 99.0, 100.0, 100.0], schedule=[[1, 64, 0]])
+    row, = adaptive_table(study_rows([base, g3, plain]), [base, g3, plain])
+    assert row.same_gamma == "baseline" and row.vs_same_gamma == pytest.approx(1.0, abs=1e-3)
+    # no fixed row at the schedule's γ: no yardstick
+    odd = _sliced("eagle3-domain-auto", "eagle3", None, [150.0] * 4, schedule=[[1, 64, 4]])
+    row, = adaptive_table(study_rows([base, g3, odd]), [base, g3, odd])
+    assert row.same_gamma is None and row.vs_same_gamma is None

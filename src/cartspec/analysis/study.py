@@ -181,6 +181,11 @@ class AdaptiveRow(BaseModel):
     within_noise: bool | None = Field(None, description="missed, but both intervals reach the goal: these "
                                                         "points cannot tell it from meeting it (rounds only)")
     schedule: list[list[int]] = Field(default_factory=list, description="[first batch size, last, γ] ranges")
+    same_gamma: str | None = Field(None, description="the fixed deployment (same method and head) that runs the "
+                                                     "γ the schedule runs at this load; the baseline where it is 0")
+    vs_same_gamma: float | None = Field(None, description="× that deployment: two servers drafting alike, so "
+                                                          "what separates them is noise (or the schedule's cost)")
+    vs_same_gamma_ci95: tuple[float, float] | None = None
 
 
 class CostModelFit(BaseModel):
@@ -511,7 +516,9 @@ def adaptive_table(rows: list[StudyRow], results: list[PointResult]) -> list[Ada
     rounds carry 95% intervals of both ratios from their slices, and a missed goal whose intervals both
     reach it is ``within_noise``: the best fixed deployment is the largest of several noisy figures, and
     where the schedule decodes plainly the adaptive server is a baseline, so a point estimate alone
-    misses about half the time."""
+    misses about half the time. Beside it, the adaptive point over the fixed deployment that runs the same
+    γ (``vs_same_gamma``): where the schedule's choice equals a fixed row's, that ratio is the noise
+    between two servers doing the same work, the yardstick for reading the others."""
     schedules = {r.config.deployment: (r.config.spec.get("speculative") or {}).get("schedule")
                  for r in results if r.config.spec.get("speculative", {}).get("adaptive")}
     by_key = {r.key: r for r in results}
@@ -537,11 +544,17 @@ def adaptive_table(rows: list[StudyRow], results: list[PointResult]) -> list[Ada
             within = best_ci[1] >= 0.95 and (base_ci is None or base_ci[1] >= 1.0)
         sched = schedules[a.deployment] or []
         gamma = schedule_gamma([tuple(s) for s in sched], a.concurrency or 1) if sched else None
+        twin = None if gamma is None else base if gamma == 0 else next(
+            (r for r in same if r.speculative and r.method == a.method and r.head == a.head and r.gamma == gamma),
+            None)
         out.append(AdaptiveRow(deployment=a.deployment, temperature=a.temperature, concurrency=a.concurrency,
                                gamma_at_load=gamma, output_throughput=a.output_throughput,
                                best_fixed=best.deployment, best_fixed_throughput=best.output_throughput,
                                vs_best_fixed=vs_best, vs_baseline=vs_base, vs_best_fixed_ci95=best_ci,
-                               vs_baseline_ci95=base_ci, meets=meets, within_noise=within, schedule=sched))
+                               vs_baseline_ci95=base_ci, meets=meets, within_noise=within, schedule=sched,
+                               same_gamma=twin.deployment if twin else None,
+                               vs_same_gamma=a.output_throughput / twin.output_throughput if twin else None,
+                               vs_same_gamma_ci95=slice_ratio_ci(by_key[a.key], by_key[twin.key]) if twin else None))
     return sorted(out, key=lambda r: (r.deployment, r.temperature, r.concurrency or 0))
 
 

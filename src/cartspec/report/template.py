@@ -93,14 +93,17 @@ of replies identical to the baseline's for the same request.</p>
 <p>γ per batch size, tuned for this machine ({% for a in adaptive[:1] %}schedule <code>{{ a.schedule }}</code>: [first batch size, last, γ]{% endfor %}).
 Goal at every load: ≥ 0.95 × the best fixed deployment and ≥ 1.0 × the baseline.{% if adaptive | selectattr("vs_best_fixed_ci95") | list %}
 Brackets: 95% interval from the point's slices, each measured beside the other deployment's (seconds apart, the same requests);
-"within noise": missed, but both intervals reach the goal.{% endif %}</p>
+"within noise": missed, but both intervals reach the goal.{% endif %}
+"× same γ": over the fixed deployment that runs the γ the schedule runs at that load (the baseline at γ = 0): two servers
+drafting alike, so that ratio shows how far two servers doing the same work measure apart in this run.</p>
 <table id="adaptive"><tr><th class="l">deployment</th><th>T</th><th>load</th><th>γ there</th><th>tok/s</th>
-<th class="l">best fixed</th><th>its tok/s</th><th>× best fixed</th><th>× baseline</th><th>goal</th></tr>
+<th class="l">best fixed</th><th>its tok/s</th><th>× best fixed</th><th>× baseline</th><th>goal</th><th>× same γ</th></tr>
 {% for a in adaptive %}<tr><td class="l">{{ a.deployment }}</td><td>{{ a.temperature }}</td><td>{{ a.concurrency }}</td>
 <td>{{ a.gamma_at_load }}</td><td>{{ num(a.output_throughput, 1) }}</td><td class="l">{{ a.best_fixed }}</td>
 <td>{{ num(a.best_fixed_throughput, 1) }}</td><td>{{ num(a.vs_best_fixed, 2) }}{% if a.vs_best_fixed_ci95 %} [{{ num(a.vs_best_fixed_ci95[0], 2) }}–{{ num(a.vs_best_fixed_ci95[1], 2) }}]{% endif %}</td>
 <td>{{ num(a.vs_baseline, 2) }}{% if a.vs_baseline_ci95 %} [{{ num(a.vs_baseline_ci95[0], 2) }}–{{ num(a.vs_baseline_ci95[1], 2) }}]{% endif %}</td>
-<td class="{{ 'good' if a.meets else ('' if a.within_noise else 'bad') }}">{{ "met" if a.meets else ("within noise" if a.within_noise else "missed") }}</td></tr>{% endfor %}</table>{% endif %}
+<td class="{{ 'good' if a.meets else ('' if a.within_noise else 'bad') }}">{{ "met" if a.meets else ("within noise" if a.within_noise else "missed") }}</td>
+<td>{% if a.same_gamma %}{{ num(a.vs_same_gamma, 2) }}{% if a.vs_same_gamma_ci95 %} [{{ num(a.vs_same_gamma_ci95[0], 2) }}–{{ num(a.vs_same_gamma_ci95[1], 2) }}]{% endif %} ({{ a.same_gamma }}){% else %}–{% endif %}</td></tr>{% endfor %}</table>{% endif %}
 
 {{ by_class_html }}
 <h2>Cost model of this machine</h2>
