@@ -230,3 +230,34 @@ def test_speculation_must_clear_plain_decoding_beyond_the_noise_where_measured_i
     assert by[4].speedup[3] > 1 and by[4].k == 0 and by[3].k == 3
     assert any(n.startswith("batch 4: γ=3 measured") and "95% interval reaches" in n and n.endswith(
         "off (speculation must beat plain decoding beyond the noise)") for n in wide.notes)
+
+
+def test_several_runs_pool_each_point_beside_its_own_runs_baseline():
+    """Two runs of one machine: at 4 streams the first run's slices disagree (an interval reaching below
+    plain decoding: off), the second's agree; pooled, eight pairs of slices carry the γ. A run whose host
+    ran at half speed at 4 streams, baseline and head alike, measures the same ratio: a point is divided
+    by its own run's baseline, never another run's."""
+    from cartspec.analysis.tune import measured_speedups
+
+    wide = _in_rounds(wins_small_run(), 4, [1.5, 0.9, 1.45, 0.95])
+    tight = _in_rounds(wins_small_run(), 4, [1.3, 1.35, 1.28, 1.32])
+    assert {c.batch: c.k for c in tune_schedule(wide).choices}[4] == 0
+    pooled = tune_schedule([wide, tight])
+    assert {c.batch: c.k for c in pooled.choices}[4] == 3
+    assert "measurements of 2 runs pooled, each point beside its own run's baseline" in pooled.notes
+    assert pooled.cost_model.n_points == 2 * tune_schedule(wide).cost_model.n_points
+    slow = [point(WINS_SMALL, r.config.method, r.config.gamma or 0, r.config.concurrency, r.config.temperature,
+                  accept=HIGH_ACCEPT, noise=0.5 if r.config.concurrency == 4 else 1.0) for r in wins_small_run()]
+    one = measured_speedups(wins_small_run(), "domain")
+    both = measured_speedups([wins_small_run(), slow], "domain")
+    assert both[(0.0, 4, 3)] == pytest.approx(one[(0.0, 4, 3)]) and set(both) == set(one)
+
+
+def test_cartspec_tune_pools_the_runs_it_is_given(tmp_path):
+    a = write_run(tmp_path / "a", _in_rounds(wins_small_run(), 4, [1.5, 0.9, 1.45, 0.95]))
+    b = write_run(tmp_path / "b", _in_rounds(wins_small_run(), 4, [1.3, 1.35, 1.28, 1.32]))
+    res = CliRunner().invoke(app, ["tune", "--run", str(a), "--run", str(b)])
+    assert res.exit_code == 0, res.output
+    assert DeploymentSpec.load(b / "tuned.yaml").speculative.schedule == [(1, 4, 3), (5, 64, 0)]
+    res = CliRunner().invoke(app, ["tune", "--run", str(a), "--run", str(tmp_path / "nothing")])
+    assert res.exit_code == 2 and "no results.jsonl in" in res.output

@@ -132,3 +132,24 @@ def test_serve_adaptive_uses_the_schedule_tuned_for_this_machine(home, tmp_path)
         update={"max_num_seqs": spec.max_num_seqs}), tmp_path / "logs")
     assert served.speculative.schedule == tuned.speculative.schedule
     assert served.speculative.vllm_config("/h")["num_speculative_tokens_per_batch_size"]
+
+
+def test_the_cached_schedule_pools_the_last_runs_that_refreshed_it(home, tmp_path):
+    """Each interleaved run re-tunes the cache from its own points and those of the runs before it (up to
+    POOL_RUNS, the ones still on disk): the log names them; a run whose points cannot tune changes nothing."""
+    spec = parse_deployment("eagle3:domain:auto", "commerce").model_copy(update={"dtype": "float32"})
+    ran = adaptive.adaptive_spec(spec, [(1, 64, 1)])
+    msgs = []
+    runs = [write_run(tmp_path / f"run{i}", sweep()) for i in range(4)]
+    for r in runs:
+        adaptive.refresh_cache(ran, r, log=msgs.append)
+    assert "pooled" not in msgs[0]
+    assert f"pooled with 1 earlier run(s): {runs[0].resolve()}" in msgs[1]
+    assert f"pooled with 2 earlier run(s): {runs[1].resolve()}, {runs[2].resolve()}" in msgs[3]  # run0 aged out
+    import shutil
+
+    shutil.rmtree(runs[2])  # a deleted run drops out of the pool
+    adaptive.refresh_cache(ran, runs[3], log=msgs.append)  # the same run again counts once
+    assert f"pooled with 1 earlier run(s): {runs[1].resolve()} tune" in msgs[-1]
+    assert adaptive.refresh_cache(ran, tmp_path / "empty-run", log=msgs.append) is None
+    assert len(msgs) == 5

@@ -19,9 +19,12 @@ def _fail(message: str) -> None:
 
 
 def tune(
-    run: Path = typer.Option(..., "--run", help="a study's run directory (holds results.jsonl)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="the tuned spec (.yaml/.json; default RUN/tuned.yaml); "
-                                                           "the reasons go beside it as NAME.tune.json"),
+    run: list[Path] = typer.Option(..., "--run", help="a study's run directory (holds results.jsonl); repeat it "
+                                                      "to pool several runs of this machine (each point beside "
+                                                      "its own run's baseline)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="the tuned spec (.yaml/.json; default RUN/tuned.yaml, "
+                                                           "the last --run's); the reasons go beside it as "
+                                                           "NAME.tune.json"),
     head: Optional[str] = typer.Option(None, help="EAGLE-3 head to tune (default: the one with the most points)"),
     max_gamma: int = typer.Option(5, help="largest γ to consider"),
     max_batch: int = typer.Option(64, help="the schedule covers batch sizes 1..this"),
@@ -31,16 +34,17 @@ def tune(
     from ..results import load_results, results_path
     from .tune import base_spec, save_tuned, tune_schedule
 
-    if not results_path(run).exists():
-        _fail(f"no results.jsonl in {run}: measure first, e.g. `cartspec study --preset calibrate --out {run}`")
-    results = load_results(run)
+    for r in run:
+        if not results_path(r).exists():
+            _fail(f"no results.jsonl in {r}: measure first, e.g. `cartspec study --preset calibrate --out {r}`")
+    runs = [load_results(r) for r in run]
     try:
-        res = tune_schedule(results, head=head, max_gamma=max_gamma, max_batch=max_batch, min_speedup=min_speedup)
+        res = tune_schedule(runs, head=head, max_gamma=max_gamma, max_batch=max_batch, min_speedup=min_speedup)
     except ValueError as exc:
         _fail(str(exc))
-    base = base_spec(results, res.head)
+    base = base_spec([p for r in runs for p in r], res.head)
     spec = res.deployment(base)
-    spec_path, json_path = save_tuned(res, spec, out or run / "tuned.yaml")
+    spec_path, json_path = save_tuned(res, spec, out or run[-1] / "tuned.yaml")
     print_tune(res)
     if base.max_num_seqs > max_batch:
         console.print(f"[yellow]note:[/] the deployment admits {base.max_num_seqs} sequences but the schedule "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated, Any, Iterable, Literal
+from typing import Annotated, Any, Iterable, Literal, Sequence
 
 from pydantic import BaseModel, Field
 
@@ -307,10 +307,19 @@ def slice_ratio_ci(a: PointResult, b: PointResult) -> tuple[float, float] | None
     are paired observations of the ratio; a t interval on their mean, exponentiated. None unless both
     points have the same two or more slices and were measured beside each other (slices of deployments
     measured in different groups, or one after another, are minutes apart: they pair nothing)."""
-    if len(a.slices) < 2 or len(a.slices) != len(b.slices) or b.config.deployment not in a.beside:
-        return None
-    logs = [math.log(x.output_throughput / y.output_throughput) for x, y in zip(a.slices, b.slices)
-            if x.output_throughput and y.output_throughput]
+    return pooled_ratio_ci([(a, b)])
+
+
+def pooled_ratio_ci(pairs: Sequence[tuple[PointResult, PointResult]]) -> tuple[float, float] | None:
+    """``slice_ratio_ci`` over the paired slices of several (a, b) points, e.g. the same load measured in
+    several runs: every pair of slices measured back to back is one observation of the ratio. Points that
+    pair no slices contribute nothing; None with fewer than two observations."""
+    logs = []
+    for a, b in pairs:
+        if len(a.slices) < 2 or len(a.slices) != len(b.slices) or b.config.deployment not in a.beside:
+            continue
+        logs += [math.log(x.output_throughput / y.output_throughput) for x, y in zip(a.slices, b.slices)
+                 if x.output_throughput and y.output_throughput]
     k = len(logs)
     if k < 2:
         return None

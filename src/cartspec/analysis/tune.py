@@ -23,6 +23,12 @@ each other, the chosen γ must also clear ``min_speedup`` with the lower end of 
 the temperatures): the goal is asymmetric, since decoding plainly where speculation gains a few percent
 costs those few percent, while speculating where the gain is noise can fall below the baseline.
 
+Several runs of one machine pool (``cartspec tune --run A --run B``): each fixed-γ point is set beside
+its own run's baseline, the ratios averaged, the paired slices of all runs give the interval, and the
+cost model is fitted to every point. One run's noise at a load (two servers doing the same work measured
+up to 16% apart there) then moves the schedule less: tuned from one run at a time, the schedule swung
+between γ=5 and γ=3 at four streams from run to run.
+
 γ never rises with the batch (``monotone``). The batch sizes where the deciding γ was measured, and
 measured within reach of the model's prediction, anchor the schedule; a batch size between two anchors
 keeps a γ between theirs. So the model's guess between two measurements cannot overrule both (it did:
@@ -33,7 +39,7 @@ keeps a γ between theirs. So the model's guess between two measurements cannot 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Sequence
 
 import numpy as np
 from pydantic import BaseModel, Field
@@ -110,21 +116,31 @@ def _same_load(r: PointResult) -> tuple:
     return (c.request_set, c.concurrency, c.temperature, c.max_tokens, c.structured)
 
 
-def _head_beside_baseline(results: Iterable[PointResult], head: str):
-    """(temperature, concurrency, γ), the head's point and the baseline's at the same load: closed-loop
-    points with a fixed γ."""
-    results = list(results)
-    base = {_same_load(r): r for r in results if r.config.method == "none" and exclusion(r) is None}
-    for r in results:
-        c = r.config
-        b = base.get(_same_load(r))
-        if c.method in MODEL_DRAFTERS and (c.head or c.method) == head and exclusion(r) is None and b:
-            yield (c.temperature, int(c.concurrency), int(c.gamma)), r, b
+def as_runs(results: Iterable[PointResult] | Sequence[Sequence[PointResult]]) -> list[list[PointResult]]:
+    """One run's points, or several runs' (a sequence of lists): always a list of runs. A point pairs with
+    the baseline of its own run only (another run's baseline ran on another host state)."""
+    items = list(results)
+    if items and all(isinstance(x, (list, tuple)) for x in items):
+        return [list(x) for x in items]
+    return [items]
 
 
-def measured_speedups(results: Iterable[PointResult], head: str) -> dict[tuple[float, int, int], float]:
+def _head_beside_baseline(results: Iterable[PointResult] | Sequence[Sequence[PointResult]], head: str):
+    """(temperature, concurrency, γ), the head's point and the baseline's at the same load in the same run:
+    closed-loop points with a fixed γ."""
+    for run in as_runs(results):
+        base = {_same_load(r): r for r in run if r.config.method == "none" and exclusion(r) is None}
+        for r in run:
+            c = r.config
+            b = base.get(_same_load(r))
+            if c.method in MODEL_DRAFTERS and (c.head or c.method) == head and exclusion(r) is None and b:
+                yield (c.temperature, int(c.concurrency), int(c.gamma)), r, b
+
+
+def measured_speedups(results: Iterable[PointResult] | Sequence[Sequence[PointResult]],
+                      head: str) -> dict[tuple[float, int, int], float]:
     """(temperature, concurrency, γ) -> this head's throughput / the baseline's at the same load (mean over
-    request sets), from closed-loop points with a fixed γ."""
+    request sets and runs), from closed-loop points with a fixed γ."""
     ratios: dict[tuple[float, int, int], list[float]] = {}
     for key, r, b in _head_beside_baseline(results, head):
         if b.output_throughput:
@@ -132,18 +148,18 @@ def measured_speedups(results: Iterable[PointResult], head: str) -> dict[tuple[f
     return {k: float(np.mean(v)) for k, v in ratios.items()}
 
 
-def measured_lows(results: Iterable[PointResult], head: str) -> dict[tuple[float, int, int], float]:
+def measured_lows(results: Iterable[PointResult] | Sequence[Sequence[PointResult]],
+                  head: str) -> dict[tuple[float, int, int], float]:
     """(temperature, concurrency, γ) -> the lower end of the 95% interval of this head's speedup over the
-    baseline, where both were measured in rounds beside each other (``analysis.study.slice_ratio_ci``);
-    absent elsewhere."""
-    from .study import slice_ratio_ci
+    baseline, from every pair of slices measured back to back at that load (in rounds, beside each other;
+    several request sets or runs pool their pairs: ``analysis.study.pooled_ratio_ci``); absent elsewhere."""
+    from .study import pooled_ratio_ci
 
-    lows: dict[tuple[float, int, int], list[float]] = {}
+    pairs: dict[tuple[float, int, int], list] = {}
     for key, r, b in _head_beside_baseline(results, head):
-        ci = slice_ratio_ci(r, b)
-        if ci:
-            lows.setdefault(key, []).append(ci[0])
-    return {k: float(np.mean(v)) for k, v in lows.items()}
+        pairs.setdefault(key, []).append((r, b))
+    lows = {k: pooled_ratio_ci(v) for k, v in pairs.items()}
+    return {k: ci[0] for k, ci in lows.items() if ci}
 
 
 def pick_head(obs: list[Observation], head: str | None) -> str:
@@ -163,13 +179,17 @@ def pick_head(obs: list[Observation], head: str | None) -> str:
     return head
 
 
-def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_gamma: int = 5,
-                  max_batch: int = 64, min_speedup: float = 1.0, model: CostModel | None = None) -> TuneResult:
+def tune_schedule(results: Iterable[PointResult] | Sequence[Sequence[PointResult]], head: str | None = None,
+                  max_gamma: int = 5, max_batch: int = 64, min_speedup: float = 1.0,
+                  model: CostModel | None = None) -> TuneResult:
     """The fastest γ per batch size 1..max_batch for ``head`` (default: the EAGLE-3 head with the most
-    points), measured where measured, predicted elsewhere. Raises ValueError saying what to measure."""
+    points), measured where measured, predicted elsewhere. ``results``: one run's points, or a list of
+    several runs' (of one machine): their measurements pool, each point beside its own run's baseline, and
+    the cost model is fitted to all of them. Raises ValueError saying what to measure."""
     if max_gamma < 0 or max_batch < 1:
         raise ValueError("max_gamma must be >= 0 and max_batch >= 1")
-    results = [r for r in results if r.status == "ok"]
+    runs = [[r for r in run if r.status == "ok"] for run in as_runs(results)]
+    results = [r for run in runs for r in run]
     obs = observations(results)
     head = pick_head(obs, head)
     mine = [o for o in obs if o.gamma > 0 and o.head == head]
@@ -190,8 +210,10 @@ def tune_schedule(results: Iterable[PointResult], head: str | None = None, max_g
     for t in temps:
         at = [o for o in obs if o.result.config.temperature == t and (o.gamma == 0 or o.head == head)]
         lengths[t] = (float(np.mean([o.prompt_tokens for o in at])), float(np.mean([o.output_tokens for o in at])))
-    measured = measured_speedups(results, head)
-    lows = measured_lows(results, head)
+    measured = measured_speedups(runs, head)
+    lows = measured_lows(runs, head)
+    if len(runs) > 1:
+        notes.append(f"measurements of {len(runs)} runs pooled, each point beside its own run's baseline")
     margin = model.loo_median_abs_error if model.loo_median_abs_error is not None else model.median_abs_error
 
     choices = []

@@ -12,7 +12,10 @@ interleaved study: before any server starts), its schedule comes from, in order:
 3. a calibration (``--preset calibrate``, a few minutes) run into the cache first.
 
 Whichever it was, the tuned spec is cached, so ``cartspec serve --adaptive`` and a rerun of the
-study use the same schedule; the run's log says which source was used.
+study use the same schedule; the run's log says which source was used. After an interleaved study the
+cache is tuned again from its side-by-side points, pooled with those of the runs that refreshed it
+before (the last ``POOL_RUNS`` whose results are still on disk): one run's noise at a load would
+otherwise swing the schedule from run to run.
 """
 
 from __future__ import annotations
@@ -58,12 +61,12 @@ def run_calibration(spec: DeploymentSpec, cal_dir: Path, launcher=None, reporter
     return run_sweep(cal, cal_dir, launcher, reporter)
 
 
-def tune_from(results: list[PointResult], spec: DeploymentSpec) -> DeploymentSpec:
-    """The adaptive spec with its schedule, tuned from ``results`` (raises ValueError when they cannot say)."""
+def tune_from(results: list[PointResult] | list[list[PointResult]], spec: DeploymentSpec) -> DeploymentSpec:
+    """The adaptive spec with its schedule, tuned from ``results`` (one run's points, or several runs'; raises
+    ValueError when they cannot say)."""
     from ..analysis.tune import tune_schedule
 
-    head = spec.speculative.model
-    tuned = tune_schedule([r for r in results if r.status == "ok"], head=head, max_batch=spec.max_num_seqs)
+    tuned = tune_schedule(results, head=spec.speculative.model, max_batch=spec.max_num_seqs)
     return adaptive_spec(spec, tuned.schedule)
 
 
@@ -109,19 +112,39 @@ def resolve_adaptive(spec: DeploymentSpec, run_dir: Path, calibrate: Callable[[D
     return out
 
 
+# How many interleaved runs (this one included) the cached schedule is tuned from.
+POOL_RUNS = 3
+
+
 def refresh_cache(spec: DeploymentSpec, run_dir: Path, log: Callable[[str], None] = print) -> DeploymentSpec | None:
     """After an interleaved study, whose adaptive row had to run a schedule tuned before it: tune again from
-    this run's fixed-γ points (measured side by side, so free of the host's drift between deployments) and
-    cache that, so ``serve --adaptive`` and the next study run it. None when this run's points cannot tune."""
+    this run's fixed-γ points (measured side by side, so free of the host's drift between deployments),
+    pooled with those of the last runs that refreshed this cache entry, and cache that, so ``serve
+    --adaptive`` and the next study run it. None when this run's points cannot tune."""
+    import json
+
+    key = cache_key(spec)
+    history = tune_dir() / f"{key}.runs.json"
+    here = Path(run_dir).resolve()
     try:
-        out = tune_from(load_results(run_dir), spec)  # the schedule it ran is replaced, not read
+        tune_from(load_results(here), spec)  # this run's own points must be able to tune, pooled or not
     except ValueError:
         return None
-    cached = tune_dir() / f"{cache_key(spec)}.yaml"
+    earlier = json.loads(history.read_text()).get("runs", []) if history.exists() else []
+    runs = [Path(r) for r in earlier if Path(r) != here and (Path(r) / "results.jsonl").exists()]
+    runs = runs[-(POOL_RUNS - 1):] + [here] if POOL_RUNS > 1 else [here]
+    try:
+        out = tune_from([load_results(r) for r in runs], spec)  # the schedule the adaptive row ran is not read
+    except ValueError:
+        runs, out = [here], tune_from(load_results(here), spec)
+    cached = tune_dir() / f"{key}.yaml"
     out.save(cached)
+    history.write_text(json.dumps({"runs": [str(r) for r in runs]}, indent=1))
     ran = spec.speculative.schedule
     same = [tuple(s) for s in ran or []] == [tuple(s) for s in out.speculative.schedule]
-    log(f"adaptive {spec.speculative.label}: this run's points tune {out.speculative.schedule}"
+    pooled = f", pooled with {len(runs) - 1} earlier run(s): {', '.join(str(r) for r in runs[:-1])}" \
+        if len(runs) > 1 else ""
+    log(f"adaptive {spec.speculative.label}: this run's points{pooled} tune {out.speculative.schedule}"
         + (" (the schedule it ran)" if same else f" (it ran {ran}); the next study and `serve --adaptive` "
            "run the new one") + f"; cached at {cached}")
     return out
