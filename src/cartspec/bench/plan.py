@@ -41,7 +41,9 @@ class SweepPlan(BaseModel):
                                                     "again, the start order rotated by one: an offset that follows "
                                                     "a server process (or the order the servers started in) then "
                                                     "lands on every deployment alike instead of on one (needs "
-                                                    "rounds and interleave above 1; a start per server per round)")
+                                                    "rounds and interleave above 1; a start per server per "
+                                                    "round; points are recorded in the last round, so a run "
+                                                    "killed before it keeps none)")
     server_url: str | None = Field(None, description="measure this running endpoint instead of starting vLLM")
     served_name: str | None = None
 
