@@ -126,17 +126,20 @@ def refresh_cache(spec: DeploymentSpec, run_dir: Path, log: Callable[[str], None
     key = cache_key(spec)
     history = tune_dir() / f"{key}.runs.json"
     here = Path(run_dir).resolve()
+    mine = load_results(here)
     try:
-        tune_from(load_results(here), spec)  # this run's own points must be able to tune, pooled or not
+        out = tune_from(mine, spec)  # this run's own points must be able to tune; the schedule it ran is not read
     except ValueError:
         return None
     earlier = json.loads(history.read_text()).get("runs", []) if history.exists() else []
     runs = [Path(r) for r in earlier if Path(r) != here and (Path(r) / "results.jsonl").exists()]
-    runs = runs[-(POOL_RUNS - 1):] + [here] if POOL_RUNS > 1 else [here]
-    try:
-        out = tune_from([load_results(r) for r in runs], spec)  # the schedule the adaptive row ran is not read
-    except ValueError:
-        runs, out = [here], tune_from(load_results(here), spec)
+    runs = runs[-(POOL_RUNS - 1):] if POOL_RUNS > 1 else []
+    if runs:
+        try:
+            out = tune_from([load_results(r) for r in runs] + [mine], spec)
+        except ValueError:
+            runs = []
+    runs.append(here)
     cached = tune_dir() / f"{key}.yaml"
     out.save(cached)
     history.write_text(json.dumps({"runs": [str(r) for r in runs]}, indent=1))
