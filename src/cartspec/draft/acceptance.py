@@ -166,7 +166,7 @@ def _hybrid_fields(method: str, hybrid: Any) -> dict[str, Any]:
     if method != "hybrid" or hybrid is None:
         return {}
     return {"prompt_lookup_min": hybrid.n_min, "prompt_lookup_max": hybrid.n_max, "hybrid_rule": hybrid.rule,
-            "lookup_scope": hybrid.scope}
+            "lookup_scope": hybrid.scope, **({"hybrid_pointer": hybrid.pointer} if hybrid.pointer else {})}
 
 
 def _ngram_alignment(results, outputs, classes, gamma, spec) -> dict[str, Any]:
@@ -234,8 +234,16 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
         head_dir = resolve_head(head)
         h = load_head(head_dir)
         embed = load_target_weights(model_dir)["embed"].float()
+        pointer = None
+        if hybrid.rule == "pointer":
+            from ..model.registry import check_head, resolve_pointer
+            from .pointer import Pointer
+
+            pdir = resolve_pointer(hybrid.pointer)
+            check_head(pdir, model_dir, what="pointer")
+            pointer = Pointer.load(pdir, model_dir)
         summary, steps = simulate_hybrid(head_predictions(h, embed, fs, gamma), fs, gamma, hybrid, classes,
-                                         info)
+                                         info, pointer)
         summary["hybrid"] = dict(hybrid.__dict__)
         summary["per_step_accepted"] = [[st.accepted for st in seq] for seq in steps]
     elif method == "ngram":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import replace
 import sys
 import time
 from pathlib import Path
@@ -258,6 +259,78 @@ Built with
 
 
 @app.command()
+def pointer(
+    target: str = typer.Option("commerce", help="model the pointer drafts for: commerce | base | HF directory | "
+                                                "LoRA adapter directory"),
+    prompts: str = typer.Option("2400", help="N: that many training-split commerce requests with their gold "
+                                             "replies, or FILE.jsonl: your requests with replies (cartspec lines "
+                                             "with gold, or chat lines ending in the assistant's reply)"),
+    dev: str = typer.Option("200", help="N dev-split requests, or FILE.jsonl, to check the pointer on "
+                                        "after every epoch (0: none)"),
+    out: Optional[Path] = typer.Option(None, help="pointer directory (default: runs/pointers/TARGET-DIGEST)"),
+    epochs: int = typer.Option(8),
+    lr: float = typer.Option(3e-3),
+    seed: int = typer.Option(0),
+    replace_bundled: bool = typer.Option(False, "--replace-bundled",
+                                         help="allow --out inside the bundled pointers (maintainers only)"),
+) -> None:
+    """Train the hybrid's pointer: which word of the prompt a reply's string value copies (draft/pointer.py).
+
+    It learns from the requests' replies (no generation: the replies are what the model was fine-tuned to
+    write) in a few minutes on a CPU; the hybrid's rule ``pointer`` drafts its pick at every value start."""
+    from transformers import AutoTokenizer
+
+    from ..model.convert import ModelNotFound
+    from ..model.registry import POINTERS_DIR, resolve_model, target_digest
+    from ..serving.hybrid import TokenInfo
+    from ..task.data import DataFileError, read_requests
+    from .acceptance import load_data
+    from .pointer import sequences_from_gold, train_pointer
+
+    try:
+        model_dir = resolve_model(target)
+    except ModelNotFound as exc:
+        _fail(str(exc))
+    digest = target_digest(model_dir)
+    if out is None:
+        import os
+
+        root = Path(os.environ["CARTSPEC_HOME"]) if os.environ.get("CARTSPEC_HOME") else Path("runs")
+        out = root / "pointers" / f"{Path(target).name}-{digest[:8]}"
+    try:
+        out.resolve().relative_to(POINTERS_DIR.resolve())
+        if not replace_bundled:
+            _fail(f"--out {out} is inside the bundled pointers; a trained pointer goes elsewhere unless "
+                  "--replace-bundled says to replace the bundled one")
+    except ValueError:
+        pass
+
+    def requests(spec: str, split: str):
+        if spec.isdigit():
+            return (load_data(split, int(spec)) if int(spec) else []), f'generate("{split}", {spec}, seed=0)'
+        return read_requests(spec), f"`{spec}`"
+
+    try:
+        train_reqs, train_desc = requests(prompts, "train")
+        dev_reqs, dev_desc = requests(dev, "dev")
+    except (DataFileError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    seqs, dev_seqs = sequences_from_gold(tok, train_reqs), sequences_from_gold(tok, dev_reqs)
+    if not seqs:
+        _fail(f"none of the {len(train_reqs)} requests of {train_desc} has a reply to learn from: give each "
+              "a gold answer, or end each chat line with the assistant's reply")
+    console.print(f"pointer for {model_dir} (digest {digest}): {len(seqs)} replies of {train_desc}, "
+                  f"checked on {len(dev_seqs)} of {dev_desc}")
+    info = TokenInfo.from_tokenizer(tok)
+    summary = train_pointer(model_dir, seqs, info, out, epochs=epochs, lr=lr, seed=seed, dev=dev_seqs,
+                            target={"name": target, "digest": digest}, log=console.print)
+    last = summary["epochs"][-1]
+    console.print(f"[green]pointer[/] -> {out} ({summary['examples']} value starts, {summary['seconds']:.0f} s; "
+                  f"last epoch: " + ", ".join(f"{k} {v}" for k, v in last.items() if k != "epoch") + ")")
+
+
+@app.command()
 def acceptance(
     head: Optional[str] = typer.Option(None, help="generic | domain | PATH (methods eagle3, hybrid)"),
     gamma: int = typer.Option(3, "--gamma", help="γ: draft tokens per verify step"),
@@ -267,7 +340,10 @@ def acceptance(
     method: str = typer.Option("eagle3", help="eagle3 | ngram | hybrid (EAGLE-3 + prompt lookup)"),
     lookup_min: Optional[int] = typer.Option(None, help="hybrid: smallest n-gram the lookup matches"),
     lookup_max: Optional[int] = typer.Option(None, help="hybrid: largest n-gram the lookup matches"),
-    rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head | anchor | text (serving/hybrid.py)"),
+    rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head | anchor | text | pointer "
+                                                  "(serving/hybrid.py)"),
+    pointer: Optional[str] = typer.Option(None, help="hybrid rule pointer: commerce (bundled, the default) | "
+                                                     "DIR (`cartspec draft pointer`)"),
     scope: Optional[str] = typer.Option(None, help="hybrid: prompt | context (where the lookup searches)"),
     target: str = typer.Option("commerce", help="served model: commerce | base | PATH"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
@@ -310,16 +386,25 @@ def acceptance(
         try:
             hybrid = HybridConfig(n_min=lookup_min or DEFAULT.n_min, n_max=lookup_max or DEFAULT.n_max,
                                   rule=rule or DEFAULT.rule, scope=scope or DEFAULT.scope)
-        except ValueError as exc:
+            if hybrid.rule == "pointer":
+                from ..model.registry import resolve_pointer
+
+                hybrid = replace(hybrid, pointer=str(resolve_pointer(pointer)))
+            elif pointer:
+                _fail("--pointer is a setting of --rule pointer")
+        except (ValueError, ModelNotFound) as exc:
             _fail(str(exc))
-    elif any(x is not None for x in (lookup_min, lookup_max, rule, scope)):
-        _fail("--lookup-min/--lookup-max/--rule/--scope are settings of --method hybrid")
+    elif any(x is not None for x in (lookup_min, lookup_max, rule, scope, pointer)):
+        _fail("settings of --method hybrid only: --lookup-min, --lookup-max, --rule, --scope, --pointer")
     if head:  # a head trained for another target than --target: refuse (or --force)
         from ..model.registry import HeadMismatch, check_head, resolve_head, resolve_model
 
         try:
             check_head(resolve_head(head), resolve_model(target), force=force,
                        warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
+            if hybrid is not None and hybrid.pointer:
+                check_head(Path(hybrid.pointer), resolve_model(target), force=force,
+                           warn=lambda m: console.print(f"[bold yellow]{m}[/]"), what="pointer")
         except (HeadMismatch, ModelNotFound) as exc:
             _fail(str(exc))
     try:

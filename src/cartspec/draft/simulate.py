@@ -158,12 +158,13 @@ def head_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamm
 
 
 def simulate_hybrid(preds: Sequence[torch.Tensor], fs: FeatureSet, gamma: int, cfg: Any,
-                    classes: Sequence[Sequence[str]] | None = None, info: Any = None,
+                    classes: Sequence[Sequence[str]] | None = None, info: Any = None, pointer: Any = None,
                     ) -> tuple[dict[str, Any], list[list[Step]]]:
     """The hybrid drafter (``serving.hybrid``, config ``cfg``) replayed on greedy outputs: from
     chain start ``i`` the server's context is ``x[:i+2]`` (prompt + output up to the newest token)
     and the head's proposal is ``preds[s][i-(P-1)]``; ``hybrid.propose`` combines them, as in vLLM
-    (``info``: ``hybrid.TokenInfo``, for the rules that read the tokens' text)."""
+    (``info``: ``hybrid.TokenInfo``, for the rules that read the tokens' text; ``pointer``: the trained
+    pointer, for rule ``pointer``)."""
     from ..serving.hybrid import propose
 
     all_steps = []
@@ -171,7 +172,7 @@ def simulate_hybrid(preds: Sequence[torch.Tensor], fs: FeatureSet, gamma: int, c
         sl = fs.seq(s)
         toks = fs.input_ids[sl].tolist()
         P = int(fs.prompt_lens[s])
-        adjust = lambda i, row, toks=toks, P=P: propose(row, toks[:i + 2], P, cfg, info)  # noqa: E731
+        adjust = lambda i, row, toks=toks, P=P: propose(row, toks[:i + 2], P, cfg, info, pointer)  # noqa: E731
         all_steps.append(simulate_sequence(preds[s], toks, P, gamma, classes[s] if classes is not None else None,
                                            adjust=adjust))
     return summarize(all_steps, gamma), all_steps

@@ -12,6 +12,8 @@ from .convert import ModelNotFound, convert_gguf
 
 BUNDLED_ADAPTER = ASSETS / "lora" / "commerce"
 HEADS_DIR = ASSETS / "heads"
+POINTERS_DIR = ASSETS / "pointers"
+BUNDLED_POINTER = "commerce"  # the pointer trained for the bundled commerce model (``draft.pointer``)
 
 
 def _check_hf_dir(path: Path, what: str) -> Path:
@@ -178,7 +180,7 @@ class HeadMismatch(ValueError):
 
 
 def check_head(head_dir: Path, model_dir: Path, force: bool = False,
-               warn: Callable[[str], None] | None = None) -> str:
+               warn: Callable[[str], None] | None = None, what: str = "draft head") -> str:
     """Refuse (``HeadMismatch``) a head trained for another target; with ``force``, warn loudly and go on.
     Returns "match", "base" (trained for this model's base), "unknown" (the head records no target)
     or "forced"."""
@@ -193,6 +195,16 @@ def check_head(head_dir: Path, model_dir: Path, force: bool = False,
             warn(f"the head {head_dir} does not record which target it was trained for; "
                  f"cannot check that it fits {model_dir}")
         return "unknown"
+    if what != "draft head":
+        msg = (f"the {what} {head_dir} was trained for another target ({rec.get('name') or '?'}, digest "
+               f"{rec['digest']}) than the served model {model_dir} (digest {lineage[0]}). Train one for this "
+               f"model (`cartspec draft pointer --target {model_dir} --out DIR`), or choose another hybrid rule "
+               "(--rule text)")
+        if not force:
+            raise HeadMismatch(msg)
+        if warn:
+            warn("WARNING (--force): " + msg.split(". Train")[0])
+        return "forced"
     msg = (f"the draft head {head_dir} was trained for another target ({rec.get('name') or '?'}, digest "
            f"{rec['digest']}) than the served model {model_dir} (digest {lineage[0]}): its drafts would "
            "rarely be accepted. Train a head for this model (`cartspec draft train --target "
@@ -227,6 +239,16 @@ def resolve_head(name: str) -> Path:
     return _check_hf_dir(Path(name).expanduser(), "draft head directory")
 
 
+def resolve_pointer(name: str | None) -> Path:
+    """The hybrid's pointer (``draft.pointer``): ``commerce`` (or nothing: the bundled one, trained for the
+    bundled commerce model) or a directory ``cartspec draft pointer`` wrote."""
+    path = POINTERS_DIR / BUNDLED_POINTER if name in (None, "", BUNDLED_POINTER) else Path(str(name)).expanduser()
+    if not (path / "pointer.safetensors").is_file() or not (path / "config.json").is_file():
+        raise ModelNotFound(f"no pointer (pointer.safetensors, config.json) at {path}: train one with "
+                            "`cartspec draft pointer --target MODEL --out DIR`")
+    return path
+
+
 def check_spec_head(spec: Any, force: bool = False, warn: Callable[[str], None] | None = None) -> str | None:
     """``check_head`` for a deployment spec's EAGLE-3 head (None: no head to check, or a head or model
     that does not resolve, which starting the deployment reports)."""
@@ -237,4 +259,8 @@ def check_spec_head(spec: Any, force: bool = False, warn: Callable[[str], None] 
         model_dir, head_dir = resolve_model(spec.model), resolve_head(sp.model)
     except (ModelNotFound, FileNotFoundError):
         return None
-    return check_head(head_dir, model_dir, force=force, warn=warn)
+    found = check_head(head_dir, model_dir, force=force, warn=warn)
+    cfg = sp.hybrid_config() if sp.method == "hybrid" else None
+    if cfg is not None and cfg.rule == "pointer":
+        check_head(Path(cfg.pointer), model_dir, force=force, warn=warn, what="pointer")
+    return found

@@ -116,8 +116,8 @@ from typing import Any, Sequence
 import numpy as np
 
 ENV = "CARTSPEC_HYBRID"
-RULES = ("lookup", "agree", "head", "anchor", "text")
-NEEDS_TOKENS = ("anchor", "text")  # rules that read the tokens' text (``TokenInfo``)
+RULES = ("lookup", "agree", "head", "anchor", "text", "pointer")
+NEEDS_TOKENS = ("anchor", "text", "pointer")  # rules that read the tokens' text (``TokenInfo``)
 SCOPES = ("prompt", "context")
 
 
@@ -129,6 +129,7 @@ class HybridConfig:
     n_max: int = 4
     rule: str = "lookup"
     scope: str = "prompt"
+    pointer: str = ""  # rule ``pointer``: the trained pointer's directory ("" = the bundled one)
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -147,8 +148,8 @@ class HybridConfig:
             d = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{ENV} is not JSON: {value!r}") from exc
-        if not isinstance(d, dict) or set(d) - {"n_min", "n_max", "rule", "scope"}:
-            raise ValueError(f"{ENV} must be an object with n_min, n_max, rule, scope: {value!r}")
+        if not isinstance(d, dict) or set(d) - {"n_min", "n_max", "rule", "scope", "pointer"}:
+            raise ValueError(f"{ENV} must be an object with n_min, n_max, rule, scope, pointer: {value!r}")
         return cls(**d)
 
 
@@ -357,10 +358,16 @@ def anchor_lookup(head: Sequence[int], context: Sequence[int], prompt_len: int, 
                     break
     if not look and text:
         look = text_lookup(context, prompt_len, len(head), info)
+    return cut_at_close(look, head, info)
+
+
+def cut_at_close(look: Sequence[int], head: Sequence[int], info: TokenInfo) -> list[int]:
+    """``look`` up to the first position where it differs from ``head`` and the head's token is JSON
+    structure: the head closes the value (or the array) there, while the prompt's sentence goes on."""
     for j in range(min(len(look), len(head))):
         if look[j] != head[j] and info.structure[head[j]]:
-            return look[:j]  # the head closes the value (or the array) here: the prompt's sentence goes on
-    return look
+            return list(look[:j])
+    return list(look)
 
 
 def combine(head: Sequence[int], look: Sequence[int], rule: str = "lookup") -> list[int]:
@@ -379,11 +386,39 @@ def combine(head: Sequence[int], look: Sequence[int], rule: str = "lookup") -> l
     raise ValueError(f"unknown hybrid rule {rule!r}; choose from {RULES}")
 
 
+def pointer_draft(draft: Sequence[int], head: Sequence[int], n_look: int, context: Sequence[int], prompt_len: int,
+                  info: TokenInfo, pointer: Any) -> list[int]:
+    """The ``pointer`` rule's step (module doc): at the first draft position that follows a value's opening
+    quote (in the context or drafted) and is not the lookup's (``n_look``: how many leading positions of
+    ``draft`` are), the pointer's pick (``draft.pointer.Pointer.pick``) replaces the draft from there, the
+    head's tokens filling what it leaves; where it picks "no copy" the draft is kept."""
+    draft = list(draft)
+    k = len(draft)
+    for i in range(k):
+        last = draft[i - 1] if i else context[-1]
+        if not info.opens[last]:
+            continue
+        ctx = list(context) + draft[:i]
+        if value_open(ctx, prompt_len, info) != len(ctx) - 1:
+            continue
+        if i < n_look:  # the lookup drafts this value: the head's instead where the two agreed up to here,
+            # differ on the value and the pointer says it copies nothing (an earlier turn's value for the key)
+            if (draft[:i] == list(head[:i]) and draft[i] != head[i]
+                    and pointer.no_copy(ctx, prompt_len, info.texts, info.encode, SPECIAL_TEXT) >= pointer.cfg.veto_p):
+                return list(head)
+            return draft
+        pick = pointer.pick(ctx, prompt_len, k - i, info.texts, info.encode, SPECIAL_TEXT)
+        pick = cut_at_close(pick, head[i:], info)
+        return draft[:i] + pick + list(head[i + len(pick):])
+    return draft
+
+
 def propose(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
-            info: TokenInfo | None = None) -> list[int]:
+            info: TokenInfo | None = None, pointer: Any = None) -> list[int]:
     """One request's hybrid draft: lookup on ``context`` (prompt + output so far), combined with
     the head's ``head``. Shared by the server and the simulator, so the two make the same choice.
-    ``info``: the tokens' text, needed by the rules in ``NEEDS_TOKENS``."""
+    ``info``: the tokens' text, needed by the rules in ``NEEDS_TOKENS``; ``pointer``: the trained pointer
+    (``draft.pointer.Pointer``), needed by rule ``pointer``."""
     if cfg.rule == "head" or not len(head):
         return list(head)
     look = lookup(context, len(head), cfg.n_min, cfg.n_max,
@@ -391,10 +426,21 @@ def propose(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: H
     if cfg.rule in NEEDS_TOKENS:
         if info is None:
             raise ValueError(f"hybrid rule {cfg.rule!r} needs the tokens' text (TokenInfo)")
-        if cfg.rule == "text" and (info.texts is None or info.encode is None):
-            raise ValueError("hybrid rule 'text' needs the tokens' texts and the tokenizer's encode "
+        if cfg.rule in ("text", "pointer") and (info.texts is None or info.encode is None):
+            raise ValueError(f"hybrid rule {cfg.rule!r} needs the tokens' texts and the tokenizer's encode "
                              "(TokenInfo.from_tokenizer, or from_texts with encode)")
-        look = anchor_lookup(head, context, prompt_len, look, info, text=cfg.rule == "text")
+        ngram = look
+        look = anchor_lookup(head, context, prompt_len, look, info, text=cfg.rule in ("text", "pointer"))
+    if cfg.rule == "pointer":
+        if pointer is None:
+            raise ValueError("hybrid rule 'pointer' needs the trained pointer (draft.pointer.Pointer)")
+        if look and not ngram:  # the anchor's or the text rule's copy, inside a value the pointer says copies nothing
+            q = value_open(context, prompt_len, info)
+            if q >= 0 and pointer.no_copy(context[:q + 1], prompt_len, info.texts, info.encode,
+                                          SPECIAL_TEXT) >= pointer.cfg.veto_p:
+                look = []
+        n = min(len(look), len(head))
+        return pointer_draft(combine(head, look, "text"), head, n, context, prompt_len, info, pointer)
     return combine(head, look, cfg.rule)
 
 
@@ -423,6 +469,10 @@ def patch_runner(mod) -> bool:
     cfg = HybridConfig.from_env(value)
     if cfg.rule in NEEDS_TOKENS:  # fail at start-up, not at the first draft, on a bad tokenizer
         import transformers  # noqa: F401
+    if cfg.rule == "pointer":  # ... or a missing pointer
+        from ..model.registry import resolve_pointer
+
+        resolve_pointer(cfg.pointer)
     runner = mod.GPUModelRunner
     original = runner.propose_draft_token_ids
 
@@ -432,7 +482,8 @@ def patch_runner(mod) -> bool:
         method = getattr(self.speculative_config, "method", None)
         if method != "eagle3" or drafts is None:
             return drafts
-        return hybrid_drafts(self, drafts, sampled_token_ids, cfg, runner_token_info(self, cfg))
+        return hybrid_drafts(self, drafts, sampled_token_ids, cfg, runner_token_info(self, cfg),
+                             runner_pointer(self, cfg))
 
     runner.propose_draft_token_ids = propose_draft_token_ids
     mod._cartspec_hybrid = True
@@ -456,7 +507,25 @@ def runner_token_info(runner, cfg: HybridConfig) -> TokenInfo | None:
     return _TOKEN_INFO[path]
 
 
-def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: TokenInfo | None = None):
+_POINTER: dict[tuple[str, str], Any] = {}
+
+
+def runner_pointer(runner, cfg: HybridConfig):
+    """The trained pointer over the served model's embedding (loaded once), for rule ``pointer``."""
+    if cfg.rule != "pointer":
+        return None
+    from ..model.registry import resolve_pointer
+
+    key = (str(resolve_pointer(cfg.pointer)), str(runner.model_config.model))
+    if key not in _POINTER:
+        from ..draft.pointer import Pointer
+
+        _POINTER[key] = Pointer.load(*key)
+    return _POINTER[key]
+
+
+def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: TokenInfo | None = None,
+                  pointer: Any = None):
     """The head's ``drafts`` ([num_reqs, k] tensor or lists) with the lookup combined in."""
     import torch
 
@@ -478,7 +547,7 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
             if i < len(sampled_token_ids) and not sampled_token_ids[i]:
                 continue  # no token this step (partial prefill): nothing is drafted for it
         ctx = context_for(batch.token_ids_cpu[i], int(batch.num_tokens_no_spec[i]), srow, batch.vocab_size)
-        new = propose(rows[i], ctx, int(batch.num_prompt_tokens[i]), cfg, info)
+        new = propose(rows[i], ctx, int(batch.num_prompt_tokens[i]), cfg, info, pointer)
         if new != rows[i]:
             rows[i] = new
             changed = True

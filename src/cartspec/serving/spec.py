@@ -34,8 +34,11 @@ class Speculative(BaseModel):
     model: str | None = Field(None, description="EAGLE-3 head or draft model: 'domain', 'generic' or a path")
     prompt_lookup_min: int | None = Field(None, ge=1)
     prompt_lookup_max: int | None = Field(None, ge=1)
-    hybrid_rule: Literal["lookup", "agree", "head", "anchor", "text"] | None = Field(
+    hybrid_rule: Literal["lookup", "agree", "head", "anchor", "text", "pointer"] | None = Field(
         None, description="hybrid: how the lookup and the head's draft combine per position (serving/hybrid.py)")
+    hybrid_pointer: str | None = Field(
+        None, description="hybrid rule pointer: the trained pointer, 'commerce' (bundled, the default) or a "
+                          "directory `cartspec draft pointer` wrote")
     lookup_scope: Literal["prompt", "context"] | None = Field(
         None, description="hybrid: look up in the prompt only, or in prompt + output as vLLM's n-gram does")
     schedule: list[tuple[int, int, int]] | None = Field(
@@ -62,8 +65,10 @@ class Speculative(BaseModel):
             raise ValueError(f"method {self.method!r} needs num_speculative_tokens (γ)")
         if self.method in ("eagle3", "draft_model", "hybrid") and not self.model:
             raise ValueError(f"method {self.method!r} needs model (a head or draft model)")
-        if self.method != "hybrid" and (self.hybrid_rule or self.lookup_scope):
-            raise ValueError("hybrid_rule and lookup_scope are settings of method 'hybrid'")
+        if self.method != "hybrid" and (self.hybrid_rule or self.lookup_scope or self.hybrid_pointer):
+            raise ValueError("hybrid_rule, lookup_scope and hybrid_pointer are settings of method 'hybrid'")
+        if self.hybrid_pointer and self.hybrid_rule != "pointer":
+            raise ValueError("hybrid_pointer is a setting of hybrid_rule 'pointer'")
         if self.method in ("ngram", "hybrid"):
             lo, hi = self.prompt_lookup_min or 2, self.prompt_lookup_max or 4
             if lo > hi:
@@ -75,6 +80,8 @@ class Speculative(BaseModel):
         if self.method == "none":
             return "baseline"
         head = f"-{Path(self.model).name}" if self.method in ("eagle3", "hybrid") and self.model else ""
+        if self.method == "hybrid" and self.hybrid_rule:  # hybrid rules differ in what they draft: say which
+            head += f"-{self.hybrid_rule}"
         if self.adaptive:
             return f"{self.method}{head}-auto"
         if self.schedule:  # an explicit schedule: say which, so it never shares a label with a fixed γ
@@ -119,8 +126,14 @@ class Speculative(BaseModel):
             return None
         from .hybrid import DEFAULT, HybridConfig
 
+        rule = self.hybrid_rule or DEFAULT.rule
+        pointer = ""
+        if rule == "pointer":
+            from ..model.registry import resolve_pointer
+
+            pointer = str(resolve_pointer(self.hybrid_pointer))
         return HybridConfig(n_min=self.prompt_lookup_min or DEFAULT.n_min, n_max=self.prompt_lookup_max or DEFAULT.n_max,
-                            rule=self.hybrid_rule or DEFAULT.rule, scope=self.lookup_scope or DEFAULT.scope)
+                            rule=rule, scope=self.lookup_scope or DEFAULT.scope, pointer=pointer)
 
     def server_env(self) -> dict[str, str]:
         """Environment the vLLM server needs for this method: the hybrid's settings (vLLM's own
