@@ -90,8 +90,8 @@ def study(
         "sent as 'Authorization: Bearer KEY' (NIM, hosted APIs); run.json records VAR, never the key"),
     deployments: Optional[str] = typer.Option(
         None, help="comma list replacing the preset's: baseline, ngram:3, eagle3:domain:3, eagle3:PATH:5, "
-                   "eagle3:domain:auto (γ per batch size tuned for this machine), hybrid:domain:3 (EAGLE-3 + prompt lookup) "
-                   "(with --server: what that endpoint runs, for labels)"),
+                   "eagle3:domain:auto (γ per batch size tuned for this machine), hybrid:domain:3 (EAGLE-3 + prompt lookup), "
+                   "hybrid-pointer:domain:3 (with a rule: lookup, text, pointer...) (with --server: what that endpoint runs, for labels)"),
     spec_files: Optional[str] = typer.Option(
         None, "--spec", help="comma list of DeploymentSpec files (YAML/TOML/JSON, e.g. from `cartspec tune`), "
                              "measured after the preset's or --deployments' deployments"),

@@ -75,9 +75,11 @@ def baseline(model: str) -> DeploymentSpec:
     return DeploymentSpec(model=model)
 
 
-def spec_deployment(model: str, method: str, gamma: int, head: str | None = None) -> DeploymentSpec:
+def spec_deployment(model: str, method: str, gamma: int, head: str | None = None,
+                    rule: str | None = None) -> DeploymentSpec:
+    """``rule``: the hybrid's (``serving.hybrid.RULES``; None: its default)."""
     return DeploymentSpec(model=model, speculative=Speculative(method=method, num_speculative_tokens=gamma,
-                                                               model=head))
+                                                               model=head, hybrid_rule=rule))
 
 
 def adaptive_deployment(model: str, head: str) -> DeploymentSpec:
@@ -87,8 +89,16 @@ def adaptive_deployment(model: str, head: str) -> DeploymentSpec:
 
 def parse_deployment(text: str, model: str) -> DeploymentSpec:
     """``baseline`` | ``ngram:3`` | ``eagle3:domain:3`` | ``eagle3:/path/to/head:5`` | ``eagle3:domain:auto``
-    (γ per batch size, tuned for this machine) | ``hybrid:domain:3`` (EAGLE-3 + prompt lookup) -> a spec."""
+    (γ per batch size, tuned for this machine) | ``hybrid:domain:3`` (EAGLE-3 + prompt lookup) |
+    ``hybrid-pointer:domain:3`` (the hybrid with that rule, ``serving.hybrid.RULES``) -> a spec."""
     parts = text.split(":")
+    if parts[0].startswith("hybrid-") and len(parts) >= 3:
+        from ..serving.hybrid import RULES
+
+        rule = parts[0][len("hybrid-"):]
+        if rule not in RULES:
+            raise ValueError(f"cannot read deployment {text!r}: hybrid rule {rule!r} is not one of {', '.join(RULES)}")
+        return spec_deployment(model, "hybrid", int(parts[-1]), ":".join(parts[1:-1]), rule)
     if parts[0] in ("baseline", "none"):
         return baseline(model)
     if parts[0] == "eagle3" and len(parts) >= 3 and parts[-1] == "auto":
@@ -100,7 +110,7 @@ def parse_deployment(text: str, model: str) -> DeploymentSpec:
     if parts[0] in ("eagle3", "draft_model", "hybrid") and len(parts) >= 3:
         return spec_deployment(model, parts[0], int(parts[-1]), ":".join(parts[1:-1]))
     raise ValueError(f"cannot read deployment {text!r}: use baseline, ngram:γ, eagle3:HEAD:γ, eagle3:HEAD:auto "
-                     "or hybrid:HEAD:γ")
+                     "hybrid:HEAD:γ or hybrid-RULE:HEAD:γ")
 
 
 SUFFIX_MISSING = ("suffix decoding needs the arctic-inference package (vLLM imports its suffix tree), which is "
@@ -157,7 +167,8 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
     if name == "quick":
         deps = [baseline(model), spec_deployment(model, "ngram", 3)]
         if head_available("domain"):
-            deps += [spec_deployment(model, "eagle3", 3, "domain"), spec_deployment(model, "hybrid", 3, "domain")]
+            deps += [spec_deployment(model, "eagle3", 3, "domain"),
+                     spec_deployment(model, "hybrid", 3, "domain", "pointer")]
         # up at once and measured in turn at every point, as in ``paper``: one after another, a ratio carries
         # whatever the host did in the minutes between two deployments (a few busy minutes land on one of them)
         return SweepPlan(name="quick", deployments=deps, concurrencies=[1, 8], temperatures=[0.0],
