@@ -36,8 +36,20 @@ def test_default_spec_uses_a_head_when_there_is_one(tmp_path):
     head.mkdir()
     (head / "config.json").write_text("{}")
     spec = default_spec("commerce", str(head), 3, enforce_eager=False)
-    assert spec.speculative.method == "eagle3" and spec.speculative.num_speculative_tokens == 3
+    # the bundled model drafts with the hybrid and the pointer trained for it (measured best)
+    assert spec.speculative.method == "hybrid" and spec.speculative.num_speculative_tokens == 3
+    assert spec.speculative.hybrid_rule == "pointer"
     assert "--enable-per-request-metrics" in spec.engine_args
+    spec = default_spec("commerce", str(head), 3, enforce_eager=False, draft="eagle3")
+    assert spec.speculative.method == "eagle3" and spec.speculative.hybrid_rule is None
+
+
+def test_default_spec_drafts_without_the_pointer_for_a_model_it_was_not_trained_for(tiny_llama_dir, tmp_path):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    spec = default_spec(str(tiny_llama_dir), str(head), 3, enforce_eager=False)
+    assert spec.speculative.method == "hybrid" and spec.speculative.hybrid_rule is None
 
 
 def test_default_spec_without_head_serves_plain(monkeypatch, tmp_path):

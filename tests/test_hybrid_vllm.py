@@ -50,3 +50,35 @@ def test_hybrid_in_vllm_matches_the_simulator(tiny_llama_dir, tmp_path, monkeypa
     acc_real = sum(sum(a[:-1]) for a, _ in pairs)
     acc_sim = sum(sum(b[:-1]) for _, b in pairs)
     assert acc_real > 0 and abs(acc_sim - acc_real) <= 0.05 * acc_real, (acc_sim, acc_real)
+
+
+@pytest.mark.timeout(900)
+def test_the_pointer_rule_loads_in_vllm_and_matches_the_simulator(tiny_llama_dir, tmp_path, monkeypatch):
+    """Rule ``pointer`` with a pointer trained for the tiny model: vLLM loads it in the runner and places
+    the same accepted counts on the same steps as the simulator (the lookup's copies are what a random
+    model accepts; the pointer, asked at every value start, must not change what the two agree on)."""
+    monkeypatch.setenv("CARTSPEC_HOME", str(tmp_path / "home"))
+    from transformers import AutoTokenizer
+
+    from cartspec.draft.acceptance import measure_simulated, measure_vllm
+    from cartspec.draft.pointer import sequences_from_gold, train_pointer
+    from cartspec.model.registry import target_digest
+    from cartspec.serving.hybrid import HybridConfig, TokenInfo
+    from cartspec.task.generator import generate
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    ptr = tmp_path / "pointer"
+    train_pointer(tiny_llama_dir, sequences_from_gold(tok, generate("train", 40, 0)), TokenInfo.from_tokenizer(tok),
+                  ptr, epochs=1, log=lambda m: None, target={"name": "tiny", "digest": target_digest(tiny_llama_dir)})
+    head_dir = make_random_head(tiny_llama_dir, tmp_path / "head")
+    reqs = generate("test", 10, 0)
+    cfg = HybridConfig(n_min=2, n_max=4, rule="pointer", scope="context", pointer=str(ptr))
+    real = measure_vllm(str(tiny_llama_dir), "hybrid", 3, reqs, head=str(head_dir), concurrency=4, max_tokens=32,
+                        log_dir=tmp_path / "logs", enforce_eager=True, hybrid=cfg)
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
+    assert f"cartspec: hybrid pointer {ptr}" in logs
+    assert real["hybrid"]["rule"] == "pointer" and real["accepted_tokens"] > 0, real
+    sim = measure_simulated(str(tiny_llama_dir), "hybrid", 3, reqs, head=str(head_dir), max_tokens=32,
+                            enforce_eager=True, hybrid=cfg)
+    pairs = [(a["per_step_accepted"], b) for a, b in zip(real["replies"], sim["per_step_accepted"])]
+    assert sum(len(a) == len(b) and a[:-1] == b[:-1] for a, b in pairs) >= len(reqs) - 1, pairs

@@ -249,6 +249,14 @@ def resolve_pointer(name: str | None) -> Path:
     return path
 
 
+def matching_bundled_pointer(model_dir: Path) -> str | None:
+    """The bundled pointer's name where it was trained for this very model, else None."""
+    path = POINTERS_DIR / BUNDLED_POINTER
+    if not (path / "config.json").exists():
+        return None
+    return BUNDLED_POINTER if (head_target(path) or {}).get("digest") == target_digest(model_dir) else None
+
+
 def check_spec_head(spec: Any, force: bool = False, warn: Callable[[str], None] | None = None) -> str | None:
     """``check_head`` for a deployment spec's EAGLE-3 head (None: no head to check, or a head or model
     that does not resolve, which starting the deployment reports)."""

@@ -48,6 +48,16 @@ on the target's greedy replies (see ``RULES``):
   reply's first token no token id of the prompt matches, and the head drafts the rest of a word it
   never saw. A reply value in lower case where the prompt's word is not (``nike`` for `` Nike``) gets
   the continuation in lower case.
+* ``pointer``: ``text`` plus a trained pointer (``draft.pointer``: which word of the prompt a value copies,
+  or none). (1) At the first draft position that follows a value's opening quote (the context's last token
+  or a drafted one) and that the lookup does not draft, the pointer's pick, the prompt's text from that
+  word on re-encoded, replaces the draft, cut where the head closes the value; where it says "no copy" (or
+  is less sure than its ``min_p``) the draft stays. (2) Where the lookup drafts a value's opening quote and
+  the head agrees with it up to there but not on the value, the head's draft is taken if the pointer says
+  the value copies nothing (at least ``veto_p``): an earlier turn's value of the same key. (3) Inside a value
+  the pointer says copies nothing, the anchor's and the text rule's copies are dropped (the n-gram lookup's
+  stay). The copied values the other rules miss are mostly a value's first token, which the head drafts
+  wrong and no lookup can pick among the prompt's words: the pointer picks it.
 
 The default, ``lookup`` in the prompt with 3–4-token matches, came out best in the
 simulator on the target's greedy replies to the first 200 test-split requests at
@@ -521,6 +531,7 @@ def runner_pointer(runner, cfg: HybridConfig):
         from ..draft.pointer import Pointer
 
         _POINTER[key] = Pointer.load(*key)
+        print(f"cartspec: hybrid pointer {key[0]} over the embedding of {key[1]}", file=sys.stderr)
     return _POINTER[key]
 
 

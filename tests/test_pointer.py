@@ -1,0 +1,194 @@
+"""The hybrid's pointer (draft/pointer.py, rule ``pointer`` in serving/hybrid.py), on hand-made vocabularies.
+
+What a user relies on: at a value's opening quote the pointer's pick replaces the head's draft, "no copy"
+keeps it; a lookup's copy of a value the pointer says copies nothing gives way to the head; the candidate
+words are the shopper's (not a system message's, not a role name); and a pointer trained on replies that
+copy a word learns to point at it, words it never saw included, and round-trips through its files.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_hybrid import _TID, _TTEXTS, _tencode, _tids, _tinfo
+
+from cartspec.serving.hybrid import SPECIAL_TEXT, HybridConfig, TokenInfo, propose
+
+torch = pytest.importorskip("torch")
+
+POINTER = HybridConfig(3, 4, "pointer", "prompt")
+
+
+class FakePointer:
+    """Picks ``pick`` (or nothing) wherever asked and says "no copy" with probability ``no``; records the
+    contexts it was asked at."""
+
+    def __init__(self, pick=(), no=0.0, veto_p=0.5):
+        self._pick, self._no = list(pick), no
+        self.cfg = type("Cfg", (), {"veto_p": veto_p, "min_p": 0.7})()
+        self.asked = []
+
+    def pick(self, context, prompt_len, k, texts, encode, special):
+        self.asked.append(list(context))
+        return self._pick[:k]
+
+    def no_copy(self, context, prompt_len, texts, encode, special):
+        return self._no
+
+
+PROMPT = _tids("<s>", " brown", " jacket", ",", " size", " M", "\n")
+
+
+def test_a_pick_at_a_values_opening_quote_replaces_the_heads_draft():
+    info = _tinfo()
+    ctx = PROMPT + _tids('{"', "keywords", '":', ' ["')
+    head = _tids("xx", "et", "keywords")
+    ptr = FakePointer(_tids("jack", "et"))
+    assert propose(head, ctx, len(PROMPT), POINTER, info, ptr) == _tids("jack", "et", "keywords")
+    assert ptr.asked == [ctx]
+    # where the head closes the value (structure that differs), the pick is cut there
+    head = _tids("xx", '"],', "keywords")
+    assert propose(head, ctx, len(PROMPT), POINTER, info, ptr) == _tids("jack", '"],', "keywords")
+
+
+def test_no_copy_keeps_the_heads_draft_and_no_value_start_asks_nothing():
+    info = _tinfo()
+    ctx = PROMPT + _tids('{"', "intent", '":', ' "')
+    head = _tids("search", '",', "keywords")
+    assert propose(head, ctx, len(PROMPT), POINTER, info, FakePointer()) == head
+    ptr = FakePointer(_tids("jack"))
+    for reply in (_tids('{"'), _tids('{"', "keywords"), _tids('{"', "keywords", '":', ' ["', "brown", '"],')):
+        assert propose(_tids("xx", "et", "keywords"), PROMPT + reply, len(PROMPT), POINTER, info, ptr) \
+            == _tids("xx", "et", "keywords")
+    assert ptr.asked == []
+
+
+def test_a_pick_after_a_drafted_opening_quote():
+    info = _tinfo()
+    ctx = PROMPT + _tids('{"', "keywords", '":')
+    head = _tids(' ["', "xx", "keywords")  # the head opens the value, then drafts a word it does not know
+    ptr = FakePointer(_tids("jack", "et"))
+    assert propose(head, ctx, len(PROMPT), POINTER, info, ptr) == _tids(' ["', "jack", "et")
+    assert ptr.asked == [ctx + _tids(' ["')]
+
+
+def test_a_lookups_copy_of_a_value_the_pointer_says_copies_nothing_gives_way_to_the_head():
+    info = _tinfo()
+    # an earlier turn's reply in the prompt: the n-gram lookup from '{"' would copy its intent "search"
+    prompt = _tids("<s>", "\n", '{"', "intent", '":', ' "', "search", '"}', "\n", " brown", "\n")
+    ctx = prompt + _tids('{"', "intent")
+    head = _tids('":', ' "', "ref")  # agrees with the lookup up to the value, which it knows is "ref"
+    copy = propose(head, ctx, len(prompt), POINTER, info, FakePointer(no=0.1))
+    assert copy == _tids('":', ' "', "search")  # the pointer says the value copies: the lookup stands
+    assert propose(head, ctx, len(prompt), POINTER, info, FakePointer(no=0.9)) == head
+    # text's copy inside a value the pointer says copies nothing is dropped too
+    prompt = _tids("<s>", " brown", " running", " shoes", "\n")
+    ctx = prompt + _tids('{"', "keywords", '":', ' ["', "run")
+    head = _tids("xx", '"],', "keywords")
+    assert propose(head, ctx, len(prompt), POINTER, info, FakePointer(no=0.1)) == _tids("ning", '"],', "keywords")
+    assert propose(head, ctx, len(prompt), POINTER, info, FakePointer(no=0.9)) == head
+
+
+def test_the_pointer_rule_needs_the_pointer_and_is_a_valid_setting(tmp_path):
+    with pytest.raises(ValueError, match="pointer"):
+        propose([1, 2, 3], PROMPT + _tids('{"'), len(PROMPT), POINTER, _tinfo())
+    from cartspec.model.convert import ModelNotFound
+    from cartspec.serving.spec import Speculative
+
+    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="pointer")
+    cfg = sp.hybrid_config()
+    assert cfg.rule == "pointer" and cfg.pointer.endswith("pointers/commerce")  # the bundled one
+    assert HybridConfig.from_env(cfg.to_env()) == cfg
+    assert sp.label == "hybrid-domain-pointer-g3"
+    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="pointer",
+                     hybrid_pointer=str(tmp_path))
+    with pytest.raises(ModelNotFound, match="cartspec draft pointer"):
+        sp.hybrid_config()
+    with pytest.raises(ValueError, match="hybrid_pointer is a setting of hybrid_rule 'pointer'"):
+        Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_pointer="commerce")
+
+
+# --- the candidates: the shopper's words ----------------------------------------------------------
+
+_WORDS = ["<s>", "system", "user", "\n", " Find", " shoes", " by", " Nike", " only", " brand", " Acme", '{"', "brand",
+          '":', ' "', '"}', "Nike", "Acme", " Zed", "Zed"]
+_W = {t: i for i, t in enumerate(_WORDS)}
+
+
+def _w(*texts):
+    return [_W[t] for t in texts]
+
+
+def test_candidates_are_the_shoppers_words_offered_as_written_and_in_lower_case():
+    from cartspec.draft.pointer import candidates, value_key
+
+    texts = [SPECIAL_TEXT if t == "<s>" else t for t in _WORDS]
+    prompt = _w("<s>", "system", "\n", " Find", " shoes", "<s>", "user", "\n", " shoes", " by", " Nike", "<s>")
+    ctx = prompt + _w('{"', "brand", '":', ' "')
+    assert value_key(ctx, len(prompt), len(ctx) - 1, texts) == "brand"
+    c = candidates(ctx, len(prompt), len(ctx) - 1, "brand", texts, SPECIAL_TEXT)
+    words = [c.text[s:].replace(SPECIAL_TEXT, " ").split()[0] + ("/lower" if low else "") for s, low in zip(c.starts, c.lowered)]
+    # not the system message's words, not the role names; "Nike" also offered as "nike"
+    assert words == ["shoes", "by", "Nike", "Nike/lower"]
+    assert c.tokens.shape == (4, 4) and c.tokens[2, 0] == _W[" Nike"] and c.tokens[2, 1] == _W[" by"]
+    from cartspec.draft.pointer import FLAGS
+
+    f = dict(zip(FLAGS, c.flags[2]))
+    assert f["capital"] == 1 and f["lowered"] == 0 and f["in_reply"] == 0 and f["specials_1"] == 1
+    assert dict(zip(FLAGS, c.flags[3]))["lowered"] == 1
+
+
+# --- training: a pointer learns to point ----------------------------------------------------------
+
+def _synthetic(n, brands, seed):
+    """Requests "Find shoes by BRAND only" (words in varying order) replied {"brand": "BRAND"}."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        b = brands[rng.integers(len(brands))]
+        words = [" Find", " shoes", " by", b, " only"] if rng.random() < 0.5 else [" Find", " by", b, " shoes"]
+        prompt = _w("<s>", "user", "\n") + [_W[w] for w in words] + _w("<s>")
+        reply = _w('{"', "brand", '":', ' "', b.strip(), '"}')
+        out.append((prompt + reply, len(prompt)))
+    return out
+
+
+def test_a_trained_pointer_points_at_the_copied_word_and_round_trips(tmp_path):
+    from safetensors.torch import save_file
+
+    from cartspec.draft.pointer import Pointer, train_pointer
+
+    words = _WORDS
+    model = tmp_path / "model"
+    model.mkdir()
+    torch.manual_seed(0)
+    save_file({"model.embed_tokens.weight": torch.randn(len(words), 16)}, str(model / "model.safetensors"))
+    texts = [SPECIAL_TEXT if t == "<s>" else t for t in words]
+
+    def encode(text):
+        ids, i = [], 0
+        while i < len(text):
+            best = max((t for t in words[1:] if text.startswith(t, i)), key=len, default=None)
+            ids.append(_W[best] if best else -1)
+            i += len(best) if best else 1
+        return ids
+
+    info = TokenInfo.from_texts(texts, special=[0], encode=encode)
+    train = _synthetic(200, [" Nike", " Acme"], 0)
+    dev = _synthetic(40, [" Zed"], 1)  # a brand it never saw
+    log = train_pointer(model, train, info, tmp_path / "ptr", epochs=15, dev=dev, log=lambda m: None,
+                        target={"name": "tiny", "digest": "x"})
+    assert log["epochs"][-1]["dev_copied_top1"] >= 0.9, log["epochs"]
+    conf = json.loads((tmp_path / "ptr" / "config.json").read_text())
+    assert conf["cartspec"]["target"] == {"name": "tiny", "digest": "x"}  # what check_head reads
+    ptr = Pointer.load(tmp_path / "ptr", model)
+    toks, P = dev[0]
+    q = toks.index(_W[' "'], P)
+    assert ptr.pick(toks[:q + 1], P, 2, texts, encode, SPECIAL_TEXT)[:1] == [_W["Zed"]]
+    save_file({"model.embed_tokens.weight": torch.randn(len(words), 8)}, str(model / "model.safetensors"))
+    with pytest.raises(ValueError, match="hidden size"):
+        Pointer.load(tmp_path / "ptr", model)
+    with pytest.raises(FileNotFoundError, match="cartspec draft pointer"):
+        Pointer.load(tmp_path, model)
