@@ -54,6 +54,16 @@ def test_the_hybrid_anchor_example_reaches_the_servers_environment():
     assert s.speculative.vllm_config("/heads/domain")["method"] == "eagle3"  # vLLM serves the head; cartspec combines
 
 
+def test_the_hybrid_pointer_example_names_the_bundled_pointer_trained_for_its_model():
+    from cartspec.model.registry import POINTERS_DIR, check_spec_head
+    from cartspec.serving.hybrid import ENV, HybridConfig
+
+    s = DeploymentSpec.load(EXAMPLES / "cpu-hybrid-pointer.yaml")
+    cfg = HybridConfig.from_env(s.speculative.server_env()[ENV])
+    assert cfg.rule == "pointer" and Path(cfg.pointer) == POINTERS_DIR / "commerce"
+    assert check_spec_head(s) == "match"  # the head, and the pointer, were trained for the commerce model
+
+
 def _config(path: Path, layers: int, kv_heads: int, head_dim: int) -> Path:
     import json
 

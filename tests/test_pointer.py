@@ -192,3 +192,21 @@ def test_a_trained_pointer_points_at_the_copied_word_and_round_trips(tmp_path):
         Pointer.load(tmp_path / "ptr", model)
     with pytest.raises(FileNotFoundError, match="cartspec draft pointer"):
         Pointer.load(tmp_path, model)
+
+
+def test_a_pointer_trained_for_another_model_is_refused(tmp_path):
+    import shutil
+
+    from cartspec.model.registry import POINTERS_DIR, HeadMismatch, check_spec_head
+    from cartspec.serving.spec import DeploymentSpec, Speculative
+
+    other = tmp_path / "other"
+    shutil.copytree(POINTERS_DIR / "commerce", other)
+    conf = json.loads((other / "config.json").read_text())
+    conf["cartspec"]["target"] = {"name": "someone-else", "digest": "0123456789abcdef"}
+    (other / "config.json").write_text(json.dumps(conf))
+    spec = DeploymentSpec(model="commerce", speculative=Speculative(
+        method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="pointer", hybrid_pointer=str(other)))
+    with pytest.raises(HeadMismatch, match="cartspec draft pointer"):
+        check_spec_head(spec)
+    assert check_spec_head(spec, force=True, warn=lambda m: None) == "match"  # the head's verdict; warned
