@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 import pytest
-from test_hybrid import _TID, _TTEXTS, _tencode, _tids, _tinfo
+from test_hybrid import _tids, _tinfo
 
 from cartspec.serving.hybrid import SPECIAL_TEXT, HybridConfig, TokenInfo, propose
 

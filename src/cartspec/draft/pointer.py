@@ -48,7 +48,7 @@ CONT_CHARS = 16  # characters of the prompt's text re-encoded per draft token (a
 class PointerConfig:
     dim: int = 32  # the projection of the target's embedding
     hidden: int = 64
-    # chosen on the dev split's greedy replies in the simulator (``cartspec draft pointer`` module doc)
+    # the bundled pointer's: chosen in the simulator on the dev split's greedy replies (its PROVENANCE.md)
     min_p: float = 0.7  # ``pick`` drafts a copy only where its probability is at least this
     veto_p: float = 0.5  # the hybrid drops a text copy inside a value whose "no copy" is at least this likely
     embed_dim: int = 0  # the target's hidden size (set from its embedding)
