@@ -91,7 +91,8 @@ def test_presets_match_the_published_grid(monkeypatch, suffix):
     assert p.concurrencies == [1, 2, 4, 8, 16, 32] and p.temperatures == [0.0, 0.5]
     assert len(p.all_points()) == 12 * len(p.deployments)
     q = preset("quick")
-    assert [d.label for d in q.deployments] == ["baseline", "ngram-g3", "eagle3-domain-g3", "hybrid-domain-g3"]
+    assert [d.label for d in q.deployments] == ["baseline", "ngram-g3", "eagle3-domain-g3",
+                                                 "hybrid-domain-pointer-g3"]
     assert q.interleave == 4  # the main job's ratios are measured side by side, not minutes apart
     assert len({pt.key for pt in q.all_points()}) == len(q.all_points())
 
