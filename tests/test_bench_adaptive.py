@@ -128,7 +128,7 @@ def test_serve_adaptive_uses_the_schedule_tuned_for_this_machine(home, tmp_path)
     run = write_run(tmp_path / "run", sweep())
     spec = parse_deployment("eagle3:domain:auto", "commerce").model_copy(update={"dtype": "float32"})
     tuned = adaptive.resolve_adaptive(spec, run, _calibrate_never, log=lambda m: None)  # a study cached it
-    served = _adaptive(default_spec("commerce", "domain", 3, False, "float32").model_copy(
+    served = _adaptive(default_spec("commerce", "domain", 3, False, "float32", "eagle3").model_copy(
         update={"max_num_seqs": spec.max_num_seqs}), tmp_path / "logs")
     assert served.speculative.schedule == tuned.speculative.schedule
     assert served.speculative.vllm_config("/h")["num_speculative_tokens_per_batch_size"]

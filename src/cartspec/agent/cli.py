@@ -108,8 +108,9 @@ def serve(
     model: str = typer.Option("commerce", help="target: commerce | base | PATH to an HF directory"),
     head: str = typer.Option("auto", help="EAGLE-3 head: auto (domain when present) | none | domain | generic | PATH"),
     gamma: int = typer.Option(3, min=1, max=16, help="γ, draft tokens per step"),
-    draft: str = typer.Option(DEFAULT_DRAFT, help="how the head drafts: eagle3 | hybrid (EAGLE-3 + prompt lookup of "
-                              "the shopper's words); the default is the one measured best for the bundled model"),
+    draft: Optional[str] = typer.Option(None, help="how the head drafts: eagle3 | hybrid (EAGLE-3 + prompt lookup of "
+                                        "the shopper's words); default: hybrid, the one measured best for the "
+                                        "bundled model (eagle3 with --adaptive, whose schedule is the head's)"),
     adaptive: bool = typer.Option(False, "--adaptive", help="γ per batch size, tuned for this machine: the "
                                   "schedule cached by an earlier study or tune, else a calibration first (a few "
                                   "minutes); replaces --gamma"),
@@ -199,6 +200,7 @@ def serve(
                 spec = DeploymentSpec.load(spec_file)
                 spec = spec.model_copy(update={"dtype": dtype}) if dtype != "auto" else spec
             elif not upstream:
+                draft = draft or ("eagle3" if adaptive else DEFAULT_DRAFT)
                 if draft not in ("eagle3", "hybrid"):
                     raise ValueError(f"--draft must be eagle3 or hybrid, not {draft!r}")
                 spec = default_spec(model, head, gamma, enforce_eager, dtype, draft)
