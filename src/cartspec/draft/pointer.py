@@ -4,7 +4,8 @@ The EAGLE-3 head drafts a reply's JSON structure and keys well and the values it
 value copied from the request is mostly lost at its first token: the context ends in the value's opening
 quote and the head drafts a word it knows (``ten`` where the shopper wrote ``jacket``). Prompt lookup
 copies the rest of a word once its first token is there; nothing picks the word. This pointer does: at a
-value's opening quote it scores every word start of the prompt's text, and a "no copy" choice, and its
+value's opening quote it scores every word start of the prompt's turns (not a system message's), and a
+"no copy" choice, and its
 pick is drafted as the prompt's text from that word on (re-encoded with the served tokenizer).
 
 What it reads is token ids only, which is what vLLM's runner hands the hybrid drafter
