@@ -5,8 +5,8 @@ value copied from the request is mostly lost at its first token: the context end
 quote and the head drafts a word it knows (``ten`` where the shopper wrote ``jacket``). Prompt lookup
 copies the rest of a word once its first token is there; nothing picks the word. This pointer does: at a
 value's opening quote it scores every word start of the prompt's turns (not a system message's), and a
-"no copy" choice, and its
-pick is drafted as the prompt's text from that word on (re-encoded with the served tokenizer).
+"no copy" choice, and its pick is drafted as the prompt's text from that word on (re-encoded with the
+served tokenizer).
 
 What it reads is token ids only, which is what vLLM's runner hands the hybrid drafter
 (``serving.hybrid``): the key whose value opens (``"brand": "`` -> ``brand``), and for every candidate
