@@ -75,19 +75,20 @@ def _file_prompts(path: str, tok, limit: int | None) -> tuple[list[list[int]], s
             f"{len(reqs)} requests from `{path}` rendered with the target's chat template")
 
 
-def _default_out(label: str, digest: str) -> Path:
-    """Where a head goes unless --out says: never into the bundled assets."""
+def _default_out(label: str, digest: str, kind: str = "heads") -> Path:
+    """Where a head (or a pointer: ``kind`` "pointers") goes unless --out says: never into the bundled assets."""
     import os
 
-    root = Path(os.environ["CARTSPEC_HOME"]) / "heads" if os.environ.get("CARTSPEC_HOME") else Path("runs/heads")
+    root = Path(os.environ["CARTSPEC_HOME"]) / kind if os.environ.get("CARTSPEC_HOME") else Path("runs") / kind
     return root / f"{label}-{digest[:8]}"
 
 
-def _is_bundled(path: Path) -> bool:
+def _is_bundled(path: Path, root: Path | None = None) -> bool:
+    """Is ``path`` inside the bundled heads (or ``root``, e.g. the bundled pointers)?"""
     from ..model.registry import HEADS_DIR
 
     try:
-        path.resolve().relative_to(HEADS_DIR.resolve())
+        path.resolve().relative_to((root or HEADS_DIR).resolve())
         return True
     except ValueError:
         return False
@@ -292,18 +293,10 @@ def pointer(
     except ModelNotFound as exc:
         _fail(str(exc))
     digest = target_digest(model_dir)
-    if out is None:
-        import os
-
-        root = Path(os.environ["CARTSPEC_HOME"]) if os.environ.get("CARTSPEC_HOME") else Path("runs")
-        out = root / "pointers" / f"{Path(target).name}-{digest[:8]}"
-    try:
-        out.resolve().relative_to(POINTERS_DIR.resolve())
-        if not replace_bundled:
-            _fail(f"--out {out} is inside the bundled pointers; a trained pointer goes elsewhere unless "
-                  "--replace-bundled says to replace the bundled one")
-    except ValueError:
-        pass
+    out = out or _default_out(Path(target).name, digest, "pointers")
+    if _is_bundled(out, POINTERS_DIR) and not replace_bundled:
+        _fail(f"--out {out} is inside the bundled pointers; a trained pointer goes elsewhere unless "
+              "--replace-bundled says to replace the bundled one")
 
     def requests(spec: str, split: str):
         if spec.isdigit():

@@ -36,13 +36,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..serving.hybrid import _fold
+
 SPECIALS_AFTER = 6  # one-hot of the special tokens between a word and the prompt's end (0..5, 6+ together)
 FLAGS = ("capital", "digit", "lowered", "in_reply", "is_key", "after_key", "segment_start", "segment_pos",
          "words_to_end") + tuple(f"specials_{i}" for i in range(SPECIALS_AFTER + 1))
 N_SLOTS = 4  # tokens per candidate: its first token, the two before it, the one after it
 MAX_CANDIDATES = 96  # the latest word starts of a long prompt
 MEMO = 1024  # value starts whose scores are kept (``Pointer.probs``)
-CONT_CHARS = 16  # characters of the prompt's text re-encoded per draft token (as the hybrid's ``text`` rule)
 
 
 @dataclass
@@ -79,11 +80,6 @@ class Candidates:
     lowered: list[bool]
     tokens: np.ndarray  # [n, N_SLOTS] int64
     flags: np.ndarray  # [n, len(FLAGS)] float32
-
-
-def _fold(s: str) -> str:
-    low = s.lower()
-    return low if len(low) == len(s) else "".join(c.lower() if len(c.lower()) == 1 else c for c in s)
 
 
 @dataclass
@@ -181,25 +177,12 @@ def candidates(context: Sequence[int], prompt_len: int, q: int, key: str, texts:
     return Candidates(pw.text, pw.starts, pw.lowered, pw.tokens, flags)
 
 
-def continuation(c: Candidates, n: int, k: int, encode: Callable[[str], list[int]], special: str) -> list[int]:
-    """Candidate ``n`` drafted: the prompt's text from its start, up to the prompt turn's end and about
-    ``CONT_CHARS * k`` characters (cut before a space), in lower case where offered so, re-encoded; the
-    first ``k`` tokens."""
-    i = c.starts[n]
-    cont = c.text[i:]
-    stop = len(cont)
-    for mark in (special, "\ufffd"):
-        j = cont.find(mark)
-        if 0 <= j < stop:
-            stop = j
-    if stop > CONT_CHARS * k:
-        sp = cont.find(" ", CONT_CHARS * k, stop)
-        if sp >= 0:
-            stop = sp
-    cont = cont[:stop]
-    if c.lowered[n]:
-        cont = cont.lower()
-    return [int(t) for t in encode(cont)[:k]] if cont else []
+def continuation(c: Candidates, n: int, k: int, encode: Callable[[str], list[int]]) -> list[int]:
+    """Candidate ``n`` drafted (``hybrid.prompt_continuation``): the prompt's text from its start, in lower
+    case where offered so; the first ``k`` tokens."""
+    from ..serving.hybrid import prompt_continuation
+
+    return prompt_continuation(c.text[c.starts[n]:], k, encode, lower=c.lowered[n])
 
 
 class PointerNet(nn.Module):
@@ -295,7 +278,7 @@ class Pointer:
         best = int(p.argmax())
         if best == 0 or float(p[best]) < self.cfg.min_p:
             return []
-        return continuation(c, best - 1, k, encode, special)
+        return continuation(c, best - 1, k, encode)
 
     def no_copy(self, context: Sequence[int], prompt_len: int, texts: Sequence[str],
                 encode: Callable[[str], list[int]], special: str) -> float:
@@ -339,7 +322,7 @@ def examples(sequences: Sequence[tuple[Sequence[int], int]], info: Any) -> list[
             key = value_key(ctx, P, j - 1, info.texts)
             c = candidates(ctx, P, j - 1, key, info.texts, SPECIAL_TEXT)
             if firsts is None:
-                firsts = [continuation(c, n, 1, info.encode, SPECIAL_TEXT)[:1] for n in range(len(c.starts))]
+                firsts = [continuation(c, n, 1, info.encode)[:1] for n in range(len(c.starts))]
             pos = [n + 1 for n, f in enumerate(firsts) if f == [toks[j]]]
             out.append(Example(c.tokens, c.flags, info.encode(key) if key else [], int(ctx[-1]), pos or [0]))
     return out

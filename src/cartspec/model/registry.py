@@ -195,20 +195,14 @@ def check_head(head_dir: Path, model_dir: Path, force: bool = False,
             warn(f"the head {head_dir} does not record which target it was trained for; "
                  f"cannot check that it fits {model_dir}")
         return "unknown"
-    if what != "draft head":
-        msg = (f"the {what} {head_dir} was trained for another target ({rec.get('name') or '?'}, digest "
-               f"{rec['digest']}) than the served model {model_dir} (digest {lineage[0]}). Train one for this "
-               f"model (`cartspec draft pointer --target {model_dir} --out DIR`), or choose another hybrid rule "
-               "(--rule text)")
-        if not force:
-            raise HeadMismatch(msg)
-        if warn:
-            warn("WARNING (--force): " + msg.split(". Train")[0])
-        return "forced"
-    msg = (f"the draft head {head_dir} was trained for another target ({rec.get('name') or '?'}, digest "
-           f"{rec['digest']}) than the served model {model_dir} (digest {lineage[0]}): its drafts would "
-           "rarely be accepted. Train a head for this model (`cartspec draft train --target "
-           f"{model_dir} --prompts FILE.jsonl`), or pass --force to serve it anyway")
+    msg = (f"the {what} {head_dir} was trained for another target ({rec.get('name') or '?'}, digest "
+           f"{rec['digest']}) than the served model {model_dir} (digest {lineage[0]})")
+    if what == "draft head":
+        msg += (": its drafts would rarely be accepted. Train a head for this model (`cartspec draft train "
+                f"--target {model_dir} --prompts FILE.jsonl`), or pass --force to serve it anyway")
+    else:
+        msg += (f". Train one for this model (`cartspec draft pointer --target {model_dir} --out DIR`), or "
+                "choose another hybrid rule (--rule text)")
     if not force:
         raise HeadMismatch(msg)
     if warn:

@@ -331,7 +331,14 @@ def text_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo
     if p < 0:
         return []
     end = p + len(needle)
-    cont = text[end:]
+    # the reply writes the shopper's word in lower case ("nike" for "Nike"): so on
+    return prompt_continuation(text[end:], k, info.encode, lower=value == value.lower() and text[p:end] != value)
+
+
+def prompt_continuation(cont: str, k: int, encode: Any, lower: bool = False) -> list[int]:
+    """The prompt's text ``cont`` drafted: up to the prompt turn's end and about ``CONT_CHARS * k``
+    characters, in lower case if ``lower``, re-encoded; its first ``k`` tokens ([] where nothing is left).
+    Shared by the ``text`` rule and the pointer (``draft.pointer.continuation``)."""
     stop = len(cont)
     for mark in (SPECIAL_TEXT, "\ufffd"):  # the prompt's turn ends / a character that did not decode alone
         i = cont.find(mark, 0, stop)
@@ -344,9 +351,7 @@ def text_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo
     cont = cont[:stop]
     if not cont:
         return []
-    if value == value.lower() and text[p:end] != value:
-        cont = cont.lower()  # the reply writes the shopper's word in lower case ("nike" for "Nike"): so on
-    return [int(i) for i in info.encode(cont)[:k]]
+    return [int(i) for i in encode(cont.lower() if lower else cont)[:k]]
 
 
 def anchor_lookup(head: Sequence[int], context: Sequence[int], prompt_len: int, look: Sequence[int],
