@@ -120,3 +120,24 @@ def test_simulate_ngram_counts():
     # after [.. 9, 1] nothing matches 2-grams... the first proposal comes once "1 2" repeats
     assert steps[0][0].accepted == 2 and steps[0][0].drafted == 3  # proposes 3 4 9 after "1 2"; 3 4 accepted
     assert summary["tau"] >= 1.0
+
+
+def test_a_replayed_hybrid_step_records_what_the_head_alone_would_have_had_accepted():
+    from cartspec.draft.simulate import simulate_sequence, summarize
+
+    # prompt of 2 tokens, output 10 11 12 13 14; the head is wrong from its second draft on, the hybrid
+    # replaces that with the right token
+    tokens = [1, 2, 10, 11, 12, 13, 14]
+    pred = torch.tensor([[11, 99, 98], [12, 13, 14], [13, 14, 0], [14, 0, 0], [0, 0, 0]])
+
+    def adjust(i, row):
+        return [11, 12, 13] if i == 1 else row
+
+    steps = simulate_sequence(pred, tokens, 2, 3, classes=["json_key"] * 5, adjust=adjust)
+    assert (steps[0].accepted, steps[0].head_accepted) == (3, 1)
+    res = summarize([steps], 3)
+    key = res["by_class"]["json_key"]
+    assert key["reached"] == 3 and key["accepted"] == 3 and key["head_alone"] == 1
+    assert key["head_alone_acceptance"] == pytest.approx(1 / 3)
+    # the head alone (no adjust): no paired fields
+    assert "head_alone" not in summarize([simulate_sequence(pred, tokens, 2, 3, ["json_key"] * 5)], 3)["by_class"]["json_key"]

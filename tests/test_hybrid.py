@@ -455,3 +455,84 @@ def test_text_in_the_runner_with_token_info_from_the_tokenizer():
     sampled = torch.tensor([[_TID["jack"], -1, -1, -1]])               # this step accepted "jack"
     out = hybrid_drafts(runner, heads, sampled, TEXT, info)
     assert out.tolist() == [_tids("et", '"],', "keywords")]
+
+
+# --- the head's gate: the head's own probability decides where a copy first differs from it -----------
+
+def test_the_gate_keeps_the_heads_draft_where_the_head_is_sure_and_the_copy_where_it_is_not():
+    from cartspec.serving.hybrid import gate
+
+    head, copy = [7, 8, 9], [7, 5, 6]  # the copy first differs at position 1
+    assert gate(copy, head, [0.99, 0.95, 0.5], 0.9) == head       # the head is sure there: its draft stands
+    assert gate(copy, head, [0.99, 0.6, 0.99], 0.9) == copy       # unsure there: the copy stands, whole
+    assert gate([7, 5, 9], head, [0.2, 0.2, 0.99], 0.9) == [7, 5, 9]  # only the first difference is judged
+    assert gate(copy, head, None, 0.9) == copy                    # no probabilities (not recorded): no gate
+    assert gate(copy, head, [1.0, 1.0, 1.0], 0.0) == copy         # head_p 0: off
+    assert gate(head, head, [0.1, 0.1, 0.1], 0.9) == head
+    # through propose: a lookup match overrides the head where the head is unsure, not where it is sure
+    prompt, reply = [1, 50, 60, 70, 80, 2], [9, 9, 60, 70]
+    cfg = HybridConfig(n_min=2, n_max=4, rule="lookup", head_p=0.9)
+    assert propose([81, 3, 4], prompt + reply, len(prompt), cfg, conf=[0.3, 0.9, 0.9]) == [80, 2, 4]
+    assert propose([81, 3, 4], prompt + reply, len(prompt), cfg, conf=[0.97, 0.9, 0.9]) == [81, 3, 4]
+
+
+def test_head_p_defaults_per_rule_round_trips_and_is_checked():
+    from cartspec.serving.hybrid import HEAD_P
+    from cartspec.serving.spec import Speculative
+
+    assert HybridConfig(rule="pointer").head_p == HEAD_P["pointer"] > 0
+    assert HybridConfig(rule="text").head_p == 0.0  # the other rules keep the drafts they were measured with
+    assert HybridConfig(rule="pointer", head_p=0.0).head_p == 0.0
+    cfg = HybridConfig(rule="text", head_p=0.8)
+    assert HybridConfig.from_env(cfg.to_env()) == cfg
+    with pytest.raises(ValueError, match="head_p"):
+        HybridConfig(head_p=1.5)
+    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="text",
+                     hybrid_head_p=0.8)
+    assert sp.hybrid_config().head_p == 0.8
+    assert HybridConfig.from_env(sp.server_env()[ENV]).head_p == 0.8
+    with pytest.raises(ValueError, match="settings of method 'hybrid'"):
+        Speculative(method="eagle3", model="domain", num_speculative_tokens=3, hybrid_head_p=0.5)
+
+
+def test_the_drafter_records_the_heads_probability_of_each_greedy_token():
+    torch = pytest.importorskip("torch")
+    from cartspec.serving.hybrid import confidence, record_confidence
+
+    class Model:
+        def compute_logits(self, h):
+            return h  # the "hidden states" are the logits here
+
+    class Drafter:
+        use_local_argmax_reduction = False
+        use_heterogeneous_vocab = False
+        model = Model()
+
+        def _greedy_sample(self, h):
+            raise AssertionError("replaced")
+
+    d = Drafter()
+    probs = record_confidence(d)
+    assert record_confidence(d) is probs  # wrapped once
+    step0 = torch.tensor([[0.0, 5.0, 0.0], [1.0, 1.0, 3.0]])
+    step1 = torch.tensor([[9.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    assert d._greedy_sample(step0).tolist() == [1, 2]
+    assert d._greedy_sample(step1).tolist() == [0, 0]
+    conf = confidence(probs, torch.zeros(2, 2, dtype=torch.long))
+    assert conf.shape == (2, 2)
+    np.testing.assert_allclose(conf[:, 0], torch.softmax(step0, -1).amax(-1).numpy(), rtol=1e-6)
+    np.testing.assert_allclose(conf[1, 1], 1 / 3, rtol=1e-6)
+    assert confidence(probs, torch.zeros(2, 3, dtype=torch.long)) is None  # not one per position: no gate
+    probs.clear()
+    assert confidence(probs, torch.zeros(2, 2, dtype=torch.long)) is None
+
+
+def test_runner_drafts_pass_each_requests_probabilities_to_the_gate():
+    torch = pytest.importorskip("torch")
+    batch = _Batch([[1, 50, 60, 70, 80, 2, 9], [1, 50, 60, 70, 80, 2, 9]], [7, 7], [6, 6])
+    runner = _Runner(batch, [False, False])
+    heads = torch.tensor([[11, 12, 13], [11, 12, 13]], dtype=torch.int32)
+    sampled = torch.tensor([[60, 70, -1, -1], [60, 70, -1, -1]])
+    conf = np.array([[0.95, 0.5, 0.5], [0.5, 0.5, 0.5]])  # request 0's head is sure of its first token
+    out = hybrid_drafts(runner, heads, sampled, HybridConfig(2, 4, "lookup", "prompt", head_p=0.9), conf=conf)
+    assert out.tolist() == [[11, 12, 13], [80, 2, 13]]

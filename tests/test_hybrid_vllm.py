@@ -82,3 +82,30 @@ def test_the_pointer_rule_loads_in_vllm_and_matches_the_simulator(tiny_llama_dir
                             enforce_eager=True, hybrid=cfg)
     pairs = [(a["per_step_accepted"], b) for a, b in zip(real["replies"], sim["per_step_accepted"])]
     assert sum(len(a) == len(b) and a[:-1] == b[:-1] for a, b in pairs) >= len(reqs) - 1, pairs
+
+
+@pytest.mark.timeout(900)
+def test_the_gate_reads_the_heads_probabilities_inside_vllm(tiny_llama_dir, tmp_path, monkeypatch):
+    """The gate (``head_p``) needs the head's probability of each token it drafts, which cartspec records in
+    vLLM's drafter. With ``head_p`` tiny every copy that differs from the head gives way to the head (a random
+    head's top probability is far above 1e-6), so the hybrid drafts as the head alone and accepts about
+    nothing, in vLLM as in the simulator; without the probabilities vLLM would keep the lookup's copies,
+    which the same replies accept."""
+    monkeypatch.setenv("CARTSPEC_HOME", str(tmp_path / "home"))
+    from cartspec.draft.acceptance import measure_simulated, measure_vllm
+    from cartspec.serving.hybrid import HybridConfig
+    from cartspec.task.generator import generate
+
+    head_dir = make_random_head(tiny_llama_dir, tmp_path / "head")
+    reqs = generate("test", 10, 0)
+    gated = HybridConfig(n_min=2, n_max=4, rule="lookup", scope="context", head_p=1e-6)
+    real = measure_vllm(str(tiny_llama_dir), "hybrid", 3, reqs, head=str(head_dir), concurrency=4, max_tokens=32,
+                        log_dir=tmp_path / "logs", enforce_eager=True, hybrid=gated)
+    assert real["hybrid"]["head_p"] == 1e-6 and real["requests_without_step_metrics"] == 0
+    kw = dict(head=str(head_dir), max_tokens=32, enforce_eager=True)
+    copies = measure_simulated(str(tiny_llama_dir), "hybrid", 3, reqs, **kw,
+                               hybrid=HybridConfig(n_min=2, n_max=4, rule="lookup", scope="context"))
+    sim = measure_simulated(str(tiny_llama_dir), "hybrid", 3, reqs, **kw, hybrid=gated)
+    assert copies["accepted_tokens"] > 2 * max(real["accepted_tokens"], 1), (copies["accepted_tokens"], real)
+    pairs = [(a["per_step_accepted"], b) for a, b in zip(real["replies"], sim["per_step_accepted"])]
+    assert sum(len(a) == len(b) and a[:-1] == b[:-1] for a, b in pairs) >= len(reqs) - 1, pairs

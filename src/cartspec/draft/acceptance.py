@@ -166,7 +166,8 @@ def _hybrid_fields(method: str, hybrid: Any) -> dict[str, Any]:
     if method != "hybrid" or hybrid is None:
         return {}
     return {"prompt_lookup_min": hybrid.n_min, "prompt_lookup_max": hybrid.n_max, "hybrid_rule": hybrid.rule,
-            "lookup_scope": hybrid.scope, **({"hybrid_pointer": hybrid.pointer} if hybrid.pointer else {})}
+            "lookup_scope": hybrid.scope, "hybrid_head_p": hybrid.head_p,
+            **({"hybrid_pointer": hybrid.pointer} if hybrid.pointer else {})}
 
 
 def _ngram_alignment(results, outputs, classes, gamma, spec) -> dict[str, Any]:
@@ -242,8 +243,12 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
             pdir = resolve_pointer(hybrid.pointer)
             check_head(pdir, model_dir, what="pointer")
             pointer = Pointer.load(pdir, model_dir)
-        summary, steps = simulate_hybrid(head_predictions(h, embed, fs, gamma), fs, gamma, hybrid, classes,
-                                         info, pointer)
+        probs = None
+        if hybrid.head_p > 0:
+            preds, probs = head_predictions(h, embed, fs, gamma, with_probs=True)
+        else:
+            preds = head_predictions(h, embed, fs, gamma)
+        summary, steps = simulate_hybrid(preds, fs, gamma, hybrid, classes, info, pointer, probs)
         summary["hybrid"] = dict(hybrid.__dict__)
         summary["per_step_accepted"] = [[st.accepted for st in seq] for seq in steps]
     elif method == "ngram":

@@ -338,6 +338,10 @@ def acceptance(
     pointer: Optional[str] = typer.Option(None, help="hybrid rule pointer: commerce (bundled, the default) | "
                                                      "DIR (`cartspec draft pointer`)"),
     scope: Optional[str] = typer.Option(None, help="hybrid: prompt | context (where the lookup searches)"),
+    head_p: Optional[float] = typer.Option(
+        None, "--head-p", help="hybrid: where a copy first differs from the head's draft and the head is at "
+                               "least this sure of its own token, the head's draft stands (0 = off; default: "
+                               "the rule's, 0.9 for pointer)"),
     target: str = typer.Option("commerce", help="served model: commerce | base | PATH"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
     concurrency: int = typer.Option(8),
@@ -378,7 +382,7 @@ def acceptance(
 
         try:
             hybrid = HybridConfig(n_min=lookup_min or DEFAULT.n_min, n_max=lookup_max or DEFAULT.n_max,
-                                  rule=rule or DEFAULT.rule, scope=scope or DEFAULT.scope)
+                                  rule=rule or DEFAULT.rule, scope=scope or DEFAULT.scope, head_p=head_p)
             if hybrid.rule == "pointer":
                 from ..model.registry import resolve_pointer
 
@@ -387,8 +391,8 @@ def acceptance(
                 _fail("--pointer is a setting of --rule pointer")
         except (ValueError, ModelNotFound) as exc:
             _fail(str(exc))
-    elif any(x is not None for x in (lookup_min, lookup_max, rule, scope, pointer)):
-        _fail("settings of --method hybrid only: --lookup-min, --lookup-max, --rule, --scope, --pointer")
+    elif any(x is not None for x in (lookup_min, lookup_max, rule, scope, pointer, head_p)):
+        _fail("settings of --method hybrid only: --lookup-min, --lookup-max, --rule, --scope, --pointer, --head-p")
     if head:  # a head trained for another target than --target: refuse (or --force)
         from ..model.registry import HeadMismatch, check_head, resolve_head, resolve_model
 
@@ -430,7 +434,9 @@ def acceptance(
                   f"τ={_fig(res['tau'])} acceptance={_fig(res['acceptance_rate'])} per-position [{pp}]")
     for c, v in res["by_class"].items():
         if v["reached"]:
-            console.print(f"  {c:22s} {v['accepted']:6d}/{v['reached']:<6d} = {v['acceptance']:.3f}")
+            alone = (f"   head alone on these {v['head_alone']:6d} = {v['head_alone_acceptance']:.3f}"
+                     if v.get("head_alone_acceptance") is not None else "")
+            console.print(f"  {c:22s} {v['accepted']:6d}/{v['reached']:<6d} = {v['acceptance']:.3f}{alone}")
     console.print(f"-> {out}")
 
 

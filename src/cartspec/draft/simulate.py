@@ -33,6 +33,9 @@ class Step:
     accepted: int
     drafted: int
     classes: list[str] = field(default_factory=list)  # class of each drafted position that has a true token
+    # a replayed hybrid's step: how many of its leading positions the head's own draft, from the same chain
+    # start, would have had accepted (None: not known, e.g. a step read from vLLM)
+    head_accepted: int | None = None
 
 
 def summarize(steps_per_request: Sequence[Sequence[Step]], gamma: int, tokens_by_class: dict[str, int] | None = None,
@@ -45,11 +48,24 @@ def summarize(steps_per_request: Sequence[Sequence[Step]], gamma: int, tokens_by
     ``by_class[c]``: ``reached`` = drafts of class ``c`` the verifier looked at
     (every draft up to and including the first rejected one), ``accepted`` =
     those accepted, ``acceptance`` = accepted / reached (the draft's hit rate
-    on that kind of token).
+    on that kind of token). Two drafters reach different tokens: a step ends
+    where a draft is rejected and the target's token (or, after γ accepted
+    drafts, its bonus token) is never drafted, so a class's ``acceptance``
+    also depends on which of its tokens a drafter's steps happen to reach.
+
+    Steps replayed with the head's own draft beside the hybrid's (``Step.head_accepted``) add
+    ``head_alone`` = of the ``reached`` drafts, those the head's own draft from the same chain start would
+    have had accepted, and ``head_alone_acceptance`` = head_alone / reached: the head alone on exactly the
+    tokens the hybrid's steps reached, a comparison per class that does not depend on which tokens each
+    drafter's steps happen to reach.
     """
     n_steps = n_acc = n_draft = 0
     per_pos = [0] * gamma
     by: dict[str, dict[str, int]] = {c: {"reached": 0, "accepted": 0} for c in CLASSES}
+    paired = any(st.head_accepted is not None for steps in steps_per_request for st in steps)
+    if paired:
+        for v in by.values():
+            v["head_alone"] = 0
     for steps in steps_per_request:
         for st in steps:
             n_steps += 1
@@ -63,7 +79,11 @@ def summarize(steps_per_request: Sequence[Sequence[Step]], gamma: int, tokens_by
                 by[c]["reached"] += 1
                 if k < st.accepted:
                     by[c]["accepted"] += 1
+                if paired and st.head_accepted is not None and k < st.head_accepted:
+                    by[c]["head_alone"] += 1
     by_class = {c: {**v, "acceptance": (v["accepted"] / v["reached"]) if v["reached"] else None,
+                    **({"head_alone_acceptance": v["head_alone"] / v["reached"] if v["reached"] else None}
+                       if paired else {}),
                     **({"tokens": tokens_by_class.get(c, 0)} if tokens_by_class is not None else {})}
                 for c, v in by.items()}
     stats = AcceptanceStats(drafted=n_draft, accepted=n_acc, steps=n_steps, per_position=per_pos, source=source)
@@ -95,9 +115,11 @@ def steps_from_vllm(per_step_accepted: Sequence[int], per_step_drafted: Sequence
 
 
 @torch.no_grad()
-def draft_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, s: int, gamma: int) -> torch.Tensor:
+def draft_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, s: int, gamma: int,
+                      with_probs: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[n_starts, gamma] target ids proposed from every chain start ``i`` in
-    ``[P-1, L-2]`` of sequence ``s`` (teacher-forced)."""
+    ``[P-1, L-2]`` of sequence ``s`` (teacher-forced); ``with_probs``: also the head's probability of
+    each (softmax over its draft vocabulary, as vLLM's drafter has it: the rest of the vocabulary is -inf)."""
     sl = fs.seq(s)
     L = sl.stop - sl.start
     P = int(fs.prompt_lens[s])
@@ -105,31 +127,43 @@ def draft_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, s: 
     aux = fs.aux[sl].float()[None]
     starts = torch.tensor([(0, i) for i in range(max(P - 1, 0), L - 1)], dtype=torch.long)
     if starts.numel() == 0:
-        return torch.zeros(0, gamma, dtype=torch.long)
+        empty = torch.zeros(0, gamma, dtype=torch.long)
+        return (empty, torch.zeros(0, gamma)) if with_probs else empty
     outs = head.unroll(embed, ids, aux, torch.tensor([L]), starts, gamma)
-    return torch.stack([head.to_target(o["logits"].argmax(-1)) for o in outs], dim=1)
+    pred = torch.stack([head.to_target(o["logits"].argmax(-1)) for o in outs], dim=1)
+    if not with_probs:
+        return pred
+    return pred, torch.stack([o["logits"].float().softmax(-1).amax(-1) for o in outs], dim=1)
 
 
 def simulate_sequence(pred: torch.Tensor, tokens: Sequence[int], prompt_len: int, gamma: int,
                       classes: Sequence[str] | None = None,
                       adjust: Callable[[int, list[int]], list[int]] | None = None) -> list[Step]:
     """Walk the verify steps of one greedy output, given proposals ``pred[i - (P-1)]``;
-    ``adjust(i, row)`` may replace the proposal from chain start ``i`` (the hybrid)."""
+    ``adjust(i, row)`` may replace the proposal from chain start ``i`` (the hybrid); its steps then record
+    how far the unreplaced proposal would have been accepted (``Step.head_accepted``)."""
     L = len(tokens)
     P = prompt_len
     steps: list[Step] = []
-    i = P - 1  # chain start: the last position the target has processed after prefill
-    while i + 2 < L:  # x[i+1] is the newest token; something left to propose
-        row = pred[i - (P - 1)]
-        if adjust is not None:
-            row = adjust(i, [int(t) for t in row])
+
+    def run(row) -> int:
         a = 0
         while a < gamma and i + 2 + a < L and int(row[a]) == int(tokens[i + 2 + a]):
             a += 1
+        return a
+
+    i = P - 1  # chain start: the last position the target has processed after prefill
+    while i + 2 < L:  # x[i+1] is the newest token; something left to propose
+        row = pred[i - (P - 1)]
+        head_accepted = None
+        if adjust is not None:
+            head_accepted = run(row)
+            row = adjust(i, [int(t) for t in row])
+        a = run(row)
         cls = []
         if classes is not None:
             cls = [classes[i + 2 + k - P] for k in range(gamma) if i + 2 + k < L]
-        steps.append(Step(a, gamma, cls))
+        steps.append(Step(a, gamma, cls, head_accepted))
         i += a + 1
     return steps
 
@@ -151,20 +185,26 @@ def simulate(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamma: int,
     return summarize(all_steps, gamma), all_steps
 
 
-def head_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamma: int) -> list[torch.Tensor]:
-    """The head's proposals from every chain start of every sequence (``draft_predictions``)."""
+def head_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamma: int, with_probs: bool = False,
+                     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The head's proposals from every chain start of every sequence (``draft_predictions``), and with
+    ``with_probs`` their probabilities."""
     head.eval()
-    return [draft_predictions(head, embed, fs, s, gamma) for s in range(fs.n_seqs)]
+    out = [draft_predictions(head, embed, fs, s, gamma, with_probs) for s in range(fs.n_seqs)]
+    if not with_probs:
+        return out
+    return [p for p, _ in out], [c for _, c in out]
 
 
 def simulate_hybrid(preds: Sequence[torch.Tensor], fs: FeatureSet, gamma: int, cfg: Any,
                     classes: Sequence[Sequence[str]] | None = None, info: Any = None, pointer: Any = None,
-                    ) -> tuple[dict[str, Any], list[list[Step]]]:
+                    probs: Sequence[torch.Tensor] | None = None) -> tuple[dict[str, Any], list[list[Step]]]:
     """The hybrid drafter (``serving.hybrid``, config ``cfg``) replayed on greedy outputs: from
     chain start ``i`` the server's context is ``x[:i+2]`` (prompt + output up to the newest token)
     and the head's proposal is ``preds[s][i-(P-1)]``; ``hybrid.propose`` combines them, as in vLLM
     (``info``: ``hybrid.TokenInfo``, for the rules that read the tokens' text; ``pointer``: the trained
-    pointer, for rule ``pointer``)."""
+    pointer, for rule ``pointer``; ``probs``: the head's probability of each proposed token, for the gate,
+    ``cfg.head_p``; None: no gate)."""
     from ..serving.hybrid import propose
 
     all_steps = []
@@ -172,7 +212,10 @@ def simulate_hybrid(preds: Sequence[torch.Tensor], fs: FeatureSet, gamma: int, c
         sl = fs.seq(s)
         toks = fs.input_ids[sl].tolist()
         P = int(fs.prompt_lens[s])
-        adjust = lambda i, row, toks=toks, P=P: propose(row, toks[:i + 2], P, cfg, info, pointer)  # noqa: E731
+        pr = None if probs is None else probs[s].tolist()
+
+        def adjust(i, row, toks=toks, P=P, pr=pr):
+            return propose(row, toks[:i + 2], P, cfg, info, pointer, None if pr is None else pr[i - (P - 1)])
         all_steps.append(simulate_sequence(preds[s], toks, P, gamma, classes[s] if classes is not None else None,
                                            adjust=adjust))
     return summarize(all_steps, gamma), all_steps

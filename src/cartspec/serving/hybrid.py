@@ -129,6 +129,9 @@ ENV = "CARTSPEC_HYBRID"
 RULES = ("lookup", "agree", "head", "anchor", "text", "pointer")
 NEEDS_TOKENS = ("anchor", "text", "pointer")  # rules that read the tokens' text (``TokenInfo``)
 SCOPES = ("prompt", "context")
+# ``HybridConfig.head_p`` where it is not given: chosen for rule ``pointer`` in the simulator on the dev split's
+# greedy replies (module doc); the other rules keep the drafts they were measured with
+HEAD_P = {"pointer": 0.9}
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,10 @@ class HybridConfig:
     rule: str = "lookup"
     scope: str = "prompt"
     pointer: str = ""  # rule ``pointer``: the trained pointer's directory ("" = the bundled one)
+    # the head's gate (``gate``): where a copy first differs from the head's draft and the head's probability
+    # of its own token there is at least this, the head's draft stands from there; 0 = off; None = the
+    # rule's default (``HEAD_P``)
+    head_p: float | None = None
 
     def __post_init__(self):
         if self.rule not in RULES:
@@ -148,6 +155,10 @@ class HybridConfig:
             raise ValueError(f"hybrid scope must be one of {SCOPES}, got {self.scope!r}")
         if not 1 <= self.n_min <= self.n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got n_min={self.n_min}, n_max={self.n_max}")
+        if self.head_p is None:
+            object.__setattr__(self, "head_p", HEAD_P.get(self.rule, 0.0))
+        if not 0.0 <= self.head_p <= 1.0:
+            raise ValueError(f"hybrid head_p must be in [0, 1] (0 = off), got {self.head_p}")
 
     def to_env(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -158,8 +169,8 @@ class HybridConfig:
             d = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{ENV} is not JSON: {value!r}") from exc
-        if not isinstance(d, dict) or set(d) - {"n_min", "n_max", "rule", "scope", "pointer"}:
-            raise ValueError(f"{ENV} must be an object with n_min, n_max, rule, scope, pointer: {value!r}")
+        if not isinstance(d, dict) or set(d) - {"n_min", "n_max", "rule", "scope", "pointer", "head_p"}:
+            raise ValueError(f"{ENV} must be an object with n_min, n_max, rule, scope, pointer, head_p: {value!r}")
         return cls(**d)
 
 
@@ -428,12 +439,34 @@ def pointer_draft(draft: Sequence[int], head: Sequence[int], n_look: int, contex
     return draft
 
 
+def gate(draft: Sequence[int], head: Sequence[int], conf: Sequence[float] | None, head_p: float) -> list[int]:
+    """``draft`` with the head's tokens from the first position where it differs from the head's ``head``,
+    if the head's probability of its own token there (``conf``) is at least ``head_p`` (> 0); else ``draft``.
+
+    Only the first difference is judged: up to it the draft is the head's own, so the head's probability
+    there is the one it drafted with (in vLLM and in the simulator alike); behind a replaced token the
+    head's later tokens still follow its own."""
+    draft = list(draft)
+    if conf is None or head_p <= 0:
+        return draft
+    for j in range(min(len(draft), len(head), len(conf))):
+        if draft[j] != head[j]:
+            return draft[:j] + list(head[j:]) if float(conf[j]) >= head_p else draft
+    return draft
+
+
 def propose(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
-            info: TokenInfo | None = None, pointer: Any = None) -> list[int]:
+            info: TokenInfo | None = None, pointer: Any = None, conf: Sequence[float] | None = None) -> list[int]:
     """One request's hybrid draft: lookup on ``context`` (prompt + output so far), combined with
-    the head's ``head``. Shared by the server and the simulator, so the two make the same choice.
+    the head's ``head``, then the head's ``gate`` (``conf``: the head's probability of each of its tokens;
+    None: no gate). Shared by the server and the simulator, so the two make the same choice.
     ``info``: the tokens' text, needed by the rules in ``NEEDS_TOKENS``; ``pointer``: the trained pointer
     (``draft.pointer.Pointer``), needed by rule ``pointer``."""
+    return gate(_combined(head, context, prompt_len, cfg, info, pointer), head, conf, cfg.head_p)
+
+
+def _combined(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
+              info: TokenInfo | None = None, pointer: Any = None) -> list[int]:
     if cfg.rule == "head" or not len(head):
         return list(head)
     look = lookup(context, len(head), cfg.n_min, cfg.n_max,
@@ -493,17 +526,63 @@ def patch_runner(mod) -> bool:
 
     @functools.wraps(original)
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
-        drafts = original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         method = getattr(self.speculative_config, "method", None)
+        probs = record_confidence(getattr(self, "drafter", None)) if method == "eagle3" and cfg.head_p > 0 else None
+        if probs is not None:
+            probs.clear()
+        drafts = original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         if method != "eagle3" or drafts is None:
             return drafts
         return hybrid_drafts(self, drafts, sampled_token_ids, cfg, runner_token_info(self, cfg),
-                             runner_pointer(self, cfg))
+                             runner_pointer(self, cfg), confidence(probs, drafts))
 
     runner.propose_draft_token_ids = propose_draft_token_ids
     mod._cartspec_hybrid = True
     print(f"cartspec: hybrid EAGLE-3 + prompt lookup drafts {cfg.to_env()} (hybrid.py)", file=sys.stderr)
     return True
+
+
+def record_confidence(drafter) -> list | None:
+    """Make the EAGLE drafter keep, per greedy draft position, the head's probability of the token it
+    drafts (a softmax over the logits it takes the argmax of); the list it appends to, emptied by the
+    caller before each step; None where the drafter samples otherwise (no gate then).
+
+    vLLM 0.32's ``SpecDecodeBaseProposer._greedy_sample`` is the one place every greedy draft token is
+    chosen (the first position and each one after it); it is wrapped on the instance, once."""
+    if drafter is None or not hasattr(drafter, "_greedy_sample") or not hasattr(drafter, "model"):
+        return None
+    probs = getattr(drafter, "_cartspec_probs", None)
+    if probs is not None:
+        return probs
+    original = drafter._greedy_sample
+    probs = []
+
+    def _greedy_sample(hidden_states):
+        if getattr(drafter, "use_local_argmax_reduction", False) or getattr(drafter, "use_heterogeneous_vocab", False):
+            return original(hidden_states)  # no full logits here: the positions go unrecorded, so no gate
+        logits = drafter.model.compute_logits(hidden_states)
+        ids = logits.argmax(dim=-1)
+        lf = logits.float()
+        probs.append((lf.max(dim=-1).values - lf.logsumexp(dim=-1)).exp())
+        return ids
+
+    drafter._greedy_sample = _greedy_sample
+    drafter._cartspec_probs = probs
+    return probs
+
+
+def confidence(probs: list | None, drafts) -> np.ndarray | None:
+    """The recorded probabilities as ``[num_reqs, k]``, or None unless one was recorded per draft position
+    for every drafted request."""
+    if not probs:
+        return None
+    k = drafts.shape[1] if hasattr(drafts, "shape") else max((len(d) for d in drafts), default=0)
+    n = drafts.shape[0] if hasattr(drafts, "shape") else len(drafts)
+    if len(probs) != k or any(p.shape[0] < n for p in probs):
+        return None
+    import torch
+
+    return torch.stack([p[:n] for p in probs], dim=1).cpu().numpy()
 
 
 _TOKEN_INFO: dict[str, TokenInfo] = {}
@@ -541,8 +620,9 @@ def runner_pointer(runner, cfg: HybridConfig):
 
 
 def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: TokenInfo | None = None,
-                  pointer: Any = None):
-    """The head's ``drafts`` ([num_reqs, k] tensor or lists) with the lookup combined in."""
+                  pointer: Any = None, conf: np.ndarray | None = None):
+    """The head's ``drafts`` ([num_reqs, k] tensor or lists) with the lookup combined in (``conf``: the
+    head's probability of each drafted token, [num_reqs, k], for the gate)."""
     import torch
 
     batch = runner.input_batch
@@ -563,7 +643,8 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
             if i < len(sampled_token_ids) and not sampled_token_ids[i]:
                 continue  # no token this step (partial prefill): nothing is drafted for it
         ctx = context_for(batch.token_ids_cpu[i], int(batch.num_tokens_no_spec[i]), srow, batch.vocab_size)
-        new = propose(rows[i], ctx, int(batch.num_prompt_tokens[i]), cfg, info, pointer)
+        new = propose(rows[i], ctx, int(batch.num_prompt_tokens[i]), cfg, info, pointer,
+                      None if conf is None else conf[i])
         if new != rows[i]:
             rows[i] = new
             changed = True

@@ -39,6 +39,10 @@ class Speculative(BaseModel):
     hybrid_pointer: str | None = Field(
         None, description="hybrid rule pointer: the trained pointer, 'commerce' (bundled, the default) or a "
                           "directory `cartspec draft pointer` wrote")
+    hybrid_head_p: float | None = Field(
+        None, ge=0.0, le=1.0, description="hybrid: where a copy first differs from the head's draft and the head "
+                                          "is at least this sure of its own token, the head's draft stands "
+                                          "(0 = off; default: the rule's, 0.9 for pointer)")
     lookup_scope: Literal["prompt", "context"] | None = Field(
         None, description="hybrid: look up in the prompt only, or in prompt + output as vLLM's n-gram does")
     schedule: list[tuple[int, int, int]] | None = Field(
@@ -65,8 +69,10 @@ class Speculative(BaseModel):
             raise ValueError(f"method {self.method!r} needs num_speculative_tokens (γ)")
         if self.method in ("eagle3", "draft_model", "hybrid") and not self.model:
             raise ValueError(f"method {self.method!r} needs model (a head or draft model)")
-        if self.method != "hybrid" and (self.hybrid_rule or self.lookup_scope or self.hybrid_pointer):
-            raise ValueError("hybrid_rule, lookup_scope and hybrid_pointer are settings of method 'hybrid'")
+        if self.method != "hybrid" and (self.hybrid_rule or self.lookup_scope or self.hybrid_pointer
+                                        or self.hybrid_head_p is not None):
+            raise ValueError("hybrid_rule, lookup_scope, hybrid_pointer and hybrid_head_p are settings of "
+                             "method 'hybrid'")
         if self.hybrid_pointer and self.hybrid_rule != "pointer":
             raise ValueError("hybrid_pointer is a setting of hybrid_rule 'pointer'")
         if self.method in ("ngram", "hybrid"):
@@ -133,7 +139,8 @@ class Speculative(BaseModel):
 
             pointer = str(resolve_pointer(self.hybrid_pointer))
         return HybridConfig(n_min=self.prompt_lookup_min or DEFAULT.n_min, n_max=self.prompt_lookup_max or DEFAULT.n_max,
-                            rule=rule, scope=self.lookup_scope or DEFAULT.scope, pointer=pointer)
+                            rule=rule, scope=self.lookup_scope or DEFAULT.scope, pointer=pointer,
+                            head_p=self.hybrid_head_p)
 
     def server_env(self) -> dict[str, str]:
         """Environment the vLLM server needs for this method: the hybrid's settings (vLLM's own
