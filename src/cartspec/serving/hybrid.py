@@ -563,7 +563,9 @@ def patch_runner(mod) -> bool:
 def record_confidence(drafter) -> list | None:
     """Make the EAGLE drafter keep, per greedy draft position, the head's probability of the token it
     drafts (a softmax over the logits it takes the argmax of); the list it appends to, emptied by the
-    caller before each step; None where the drafter samples otherwise (no gate then).
+    caller before each step; None for a drafter without ``_greedy_sample`` (another proposer). A step whose
+    tokens are chosen otherwise (local argmax reduction, a heterogeneous vocabulary, probabilistic drafts)
+    records nothing, so ``confidence`` gives None and no gate applies.
 
     vLLM 0.32's ``SpecDecodeBaseProposer._greedy_sample`` is the one place every greedy draft token is
     chosen (the first position and each one after it); it is wrapped on the instance, once."""
