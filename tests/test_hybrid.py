@@ -467,6 +467,8 @@ def test_the_gate_keeps_the_heads_draft_where_the_head_is_sure_and_the_copy_wher
     assert gate(copy, head, [0.99, 0.6, 0.99], 0.9) == copy       # unsure there: the copy stands, whole
     assert gate([7, 5, 9], head, [0.2, 0.2, 0.99], 0.9) == [7, 5, 9]  # only the first difference is judged
     assert gate(copy, head, None, 0.9) == copy                    # no probabilities (not recorded): no gate
+    assert gate(copy, head, {1: 0.95}, 0.9) == head               # a mapping of the positions where it is known
+    assert gate(copy, head, {2: 0.95}, 0.9) == copy               # ... not known at the first difference: no gate
     assert gate(copy, head, [1.0, 1.0, 1.0], 0.0) == copy         # head_p 0: off
     assert gate(head, head, [0.1, 0.1, 0.1], 0.9) == head
     # through propose: a lookup match overrides the head where the head is unsure, not where it is sure
@@ -495,36 +497,35 @@ def test_head_p_defaults_per_rule_round_trips_and_is_checked():
         Speculative(method="eagle3", model="domain", num_speculative_tokens=3, hybrid_head_p=0.5)
 
 
-def test_the_drafter_records_the_heads_probability_of_each_greedy_token():
+def test_the_drafter_keeps_its_hidden_states_and_the_gate_asks_for_just_the_probabilities_it_needs():
     torch = pytest.importorskip("torch")
-    from cartspec.serving.hybrid import confidence, record_confidence
+    from cartspec.serving.hybrid import head_probs, record_hidden
 
     class Model:
         def compute_logits(self, h):
             return h  # the "hidden states" are the logits here
 
     class Drafter:
-        use_local_argmax_reduction = False
-        use_heterogeneous_vocab = False
         model = Model()
 
         def _greedy_sample(self, h):
-            raise AssertionError("replaced")
+            return h.argmax(dim=-1)  # vLLM's own choice, left untouched
 
     d = Drafter()
-    probs = record_confidence(d)
-    assert record_confidence(d) is probs  # wrapped once
+    hidden = record_hidden(d)
+    assert record_hidden(d) is hidden  # wrapped once
     step0 = torch.tensor([[0.0, 5.0, 0.0], [1.0, 1.0, 3.0]])
     step1 = torch.tensor([[9.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     assert d._greedy_sample(step0).tolist() == [1, 2]
     assert d._greedy_sample(step1).tolist() == [0, 0]
-    conf = confidence(probs, torch.zeros(2, 2, dtype=torch.long))
-    assert conf.shape == (2, 2)
-    np.testing.assert_allclose(conf[:, 0], torch.softmax(step0, -1).amax(-1).numpy(), rtol=1e-6)
-    np.testing.assert_allclose(conf[1, 1], 1 / 3, rtol=1e-6)
-    assert confidence(probs, torch.zeros(2, 3, dtype=torch.long)) is None  # not one per position: no gate
-    probs.clear()
-    assert confidence(probs, torch.zeros(2, 2, dtype=torch.long)) is None
+    step0[0, 1] = -5.0  # vLLM may reuse its buffers: what was recorded is a copy
+    p = head_probs(d, hidden, [(0, 0), (1, 1), (1, 7)])
+    assert set(p) == {(0, 0), (1, 1)}  # a position never drafted is left out (no gate there)
+    assert p[(0, 0)] == pytest.approx(float(torch.softmax(torch.tensor([0.0, 5.0, 0.0]), -1).max()))
+    assert p[(1, 1)] == pytest.approx(1 / 3)
+    hidden.clear()
+    assert head_probs(d, hidden, [(0, 0)]) == {}
+    assert record_hidden(None) is None
 
 
 def test_runner_drafts_pass_each_requests_probabilities_to_the_gate():
@@ -533,6 +534,17 @@ def test_runner_drafts_pass_each_requests_probabilities_to_the_gate():
     runner = _Runner(batch, [False, False])
     heads = torch.tensor([[11, 12, 13], [11, 12, 13]], dtype=torch.int32)
     sampled = torch.tensor([[60, 70, -1, -1], [60, 70, -1, -1]])
-    conf = np.array([[0.95, 0.5, 0.5], [0.5, 0.5, 0.5]])  # request 0's head is sure of its first token
-    out = hybrid_drafts(runner, heads, sampled, HybridConfig(2, 4, "lookup", "prompt", head_p=0.9), conf=conf)
+    asked = []
+
+    def probs(pairs):  # request 0's head is sure of its first token, request 1's is not
+        asked.append(list(pairs))
+        return {(i, j): 0.95 if i == 0 else 0.5 for i, j in pairs}
+
+    out = hybrid_drafts(runner, heads, sampled, HybridConfig(2, 4, "lookup", "prompt", head_p=0.9), probs=probs)
     assert out.tolist() == [[11, 12, 13], [80, 2, 13]]
+    assert asked == [[(0, 0), (1, 0)]]  # once per step, each request's first difference only
+    # no copy anywhere: nothing is asked
+    asked.clear()
+    hybrid_drafts(runner, torch.tensor([[80, 2, 13], [80, 2, 13]]), sampled,
+                  HybridConfig(2, 4, "lookup", "prompt", head_p=0.9), probs=probs)
+    assert asked == []
