@@ -243,12 +243,9 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
             pdir = resolve_pointer(hybrid.pointer)
             check_head(pdir, model_dir, what="pointer")
             pointer = Pointer.load(pdir, model_dir)
-        probs = None
-        if hybrid.head_p > 0:
-            preds, probs = head_predictions(h, embed, fs, gamma, with_probs=True)
-        else:
-            preds = head_predictions(h, embed, fs, gamma)
-        summary, steps = simulate_hybrid(preds, fs, gamma, hybrid, classes, info, pointer, probs)
+        preds, probs = head_predictions(h, embed, fs, gamma)
+        summary, steps = simulate_hybrid(preds, fs, gamma, hybrid, classes, info, pointer,
+                                         probs if hybrid.head_p > 0 else None)
         summary["hybrid"] = dict(hybrid.__dict__)
         summary["per_step_accepted"] = [[st.accepted for st in seq] for seq in steps]
     elif method == "ngram":

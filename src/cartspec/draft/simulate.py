@@ -185,14 +185,12 @@ def simulate(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamma: int,
     return summarize(all_steps, gamma), all_steps
 
 
-def head_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamma: int, with_probs: bool = False,
-                     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The head's proposals from every chain start of every sequence (``draft_predictions``), and with
-    ``with_probs`` their probabilities."""
+def head_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamma: int,
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The head's proposals from every chain start of every sequence and their probabilities
+    (``draft_predictions``)."""
     head.eval()
-    out = [draft_predictions(head, embed, fs, s, gamma, with_probs) for s in range(fs.n_seqs)]
-    if not with_probs:
-        return out
+    out = [draft_predictions(head, embed, fs, s, gamma, with_probs=True) for s in range(fs.n_seqs)]
     return [p for p, _ in out], [c for _, c in out]
 
 
