@@ -64,7 +64,8 @@ others): at the first position where the combined draft differs from the head's,
 from there on if the head's probability of its own token there is at least ``head_p``. A value can start
 with a word of the prompt and go on as an enum the head knows (``"topic": "refund_window"`` where the
 shopper wrote "refund?", ``"delivery": "free_shipping"`` for "free shipping", ``"audience": "kids"`` where
-the pointer picks "children"); there the copy displaced a right head. In the simulator at γ=3, of the 23
+the pointer picks "children"); there the copy displaced a right head. In the simulator at γ=3
+(``scripts/hybrid_class_losses.py test 200 3 0``), of the 23
 value-not-in-request tokens of the first 200 test-split replies that the head alone had accepted and rule
 ``pointer`` without the gate lost, 21 were such a copy. ``head_p`` was chosen on the dev split's greedy
 replies (200, γ=3): 0.9 kept copied values at 80% or more with τ 3.522 (3.530 without the gate; 0.8: 79.9%),
@@ -580,8 +581,8 @@ def record_hidden(drafter) -> list | None:
 
     Why hidden states and not probabilities: a softmax over the full vocabulary for every request and
     position costs more than the drafting it judges (on 2 CPU cores, bf16, 16 requests: 6.3 ms against the
-    argmax's 1.5 ms, per position), while the gate needs one probability per request that has a copy, at
-    most; ``head_probs`` computes just those."""
+    argmax's 1.5 ms, per position, AVX-512-bf16 EPYC: ``benchmarks/gate_softmax_cost.py``), while the gate
+    needs one probability per request that has a copy, at most; ``head_probs`` computes just those."""
     if drafter is None or not hasattr(drafter, "_greedy_sample") or not hasattr(drafter, "model"):
         return None
     hidden = getattr(drafter, "_cartspec_hidden", None)
