@@ -37,7 +37,7 @@ novel.NOVEL_MATERIALS = {c: pool[1900:2200] for c in cats}
 reqs = generate("train", n_train, seed=0)
 copy = []
 for r in generate("train", 6 * n_copy, seed=4242):
-    new = novel._substitute(r, rng)
+    new = novel.substitute(r, rng)
     if new is not None:
         new.id = f"copy-{len(copy):05d}"
         copy.append(new)

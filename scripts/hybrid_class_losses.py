@@ -14,7 +14,7 @@ how many of them the hybrid had replaced at that very position ("replaced-at").
 import collections
 import sys
 
-from cartspec.draft.acceptance import _classes_for, greedy_features, load_data
+from cartspec.draft.acceptance import classes_for, greedy_features, load_data
 from cartspec.draft.export import load_head
 from cartspec.draft.pointer import Pointer
 from cartspec.draft.simulate import head_predictions
@@ -30,7 +30,7 @@ CLASS = sys.argv[5] if len(sys.argv) > 5 else "value_not_in_request"
 
 reqs = load_data(data, limit)
 model_dir, tok, records, fs = greedy_features("commerce", reqs, 192, log=lambda m: None)
-classes = _classes_for(tok, reqs, [r["output_ids"] for r in records])
+classes = classes_for(tok, reqs, [r["output_ids"] for r in records])
 head = load_head(resolve_head("domain"))
 preds, probs = head_predictions(head, load_target_weights(model_dir)["embed"].float(), fs, gamma)
 info = TokenInfo.from_tokenizer(tok)

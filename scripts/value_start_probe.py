@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from cartspec.draft.acceptance import _classes_for, greedy_features, load_data
+from cartspec.draft.acceptance import classes_for, greedy_features, load_data
 from cartspec.draft.export import load_head
 from cartspec.draft.train import load_target_weights
 from cartspec.model.registry import resolve_head
@@ -30,7 +30,7 @@ data = sys.argv[1] if len(sys.argv) > 1 else "test"
 limit = int(sys.argv[2]) if len(sys.argv) > 2 else 200
 reqs = load_data(data, limit)
 model_dir, tok, records, fs = greedy_features("commerce", reqs, 192, print, False)
-classes = _classes_for(tok, reqs, [r["output_ids"] for r in records])
+classes = classes_for(tok, reqs, [r["output_ids"] for r in records])
 info = TokenInfo.from_tokenizer(tok)
 head = load_head(resolve_head("domain"))
 head.eval()

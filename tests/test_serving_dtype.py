@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from cartspec import machine
 from cartspec.serving import engine
 from cartspec.serving.spec import DeploymentSpec, Speculative
 
@@ -12,8 +13,8 @@ from cartspec.serving.spec import DeploymentSpec, Speculative
 @pytest.fixture
 def cpu(monkeypatch):
     def set_features(*feats):
-        monkeypatch.setattr(engine, "has_cuda", lambda: False)
-        monkeypatch.setattr(engine, "cpu_features", lambda: tuple(feats))
+        monkeypatch.setattr(machine, "has_cuda", lambda: False)
+        monkeypatch.setattr(machine, "cpu_features", lambda: tuple(feats))
         engine.engine_versions.cache_clear()  # it records the features: never cache a faked machine
     yield set_features
     engine.engine_versions.cache_clear()
@@ -78,9 +79,9 @@ def test_a_study_plan_records_the_dtype_that_runs(cpu, tmp_path):
 
 
 def test_cpu_features_are_read_from_this_machine():
-    engine.cpu_features.cache_clear()
+    machine.cpu_features.cache_clear()
     feats = engine.cpu_features()
-    assert set(feats) <= set(engine._CPU_FEATURES)
+    assert set(feats) <= set(machine._CPU_FEATURES)
     with open("/proc/cpuinfo") as fh:
         flags = next((ln.split(":", 1)[1].split() for ln in fh if ln.startswith("flags")), [])
     assert ("avx2" in feats) == ("avx2" in flags)
@@ -90,7 +91,7 @@ def test_results_name_the_gpu_model_and_count_on_cuda(monkeypatch):
     import torch
 
     names = ["NVIDIA H200", "NVIDIA H200"]
-    monkeypatch.setattr(engine, "has_cuda", lambda: True)
+    monkeypatch.setattr(machine, "has_cuda", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(names))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)

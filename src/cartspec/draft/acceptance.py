@@ -45,7 +45,7 @@ def load_data(data: str, limit: int | None = None, seed: int = 0) -> list[Reques
     return reqs[:limit] if limit else reqs
 
 
-def _classes_for(tokenizer, reqs: Sequence[Request], outputs: Sequence[Sequence[int]]) -> list[list[str]]:
+def classes_for(tokenizer, reqs: Sequence[Request], outputs: Sequence[Sequence[int]]) -> list[list[str]]:
     from .classes import request_text, token_classes
 
     return [token_classes(tokenizer, out, request_text(r)) for r, out in zip(reqs, outputs)]
@@ -124,7 +124,7 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
             raise EndpointError(f"{ep.url} returned no token ids (vLLM's return_token_ids): acceptance cannot "
                                 "be placed on the reply's tokens")
         outputs.append(ids)
-    classes = _classes_for(tok, reqs, outputs)
+    classes = classes_for(tok, reqs, outputs)
     missing = 0
     for c, cl in zip(results, classes):
         s = c.request_spec_metrics or {}
@@ -219,7 +219,7 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
 
     t0 = time.perf_counter()
     model_dir, tok, records, fs = greedy_features(target, reqs, max_tokens, log, enforce_eager)
-    classes = _classes_for(tok, reqs, [r["output_ids"] for r in records])
+    classes = classes_for(tok, reqs, [r["output_ids"] for r in records])
     counts = _count_classes(classes)
     head_dir = None
     if method == "eagle3":

@@ -345,7 +345,7 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
                                    "draft_ids": draft_ids.tolist(), "history": history}))
         tmp.replace(resume)
 
-    # bf16 autocast only where bf16 is native: an AVX2-only CPU would emulate it (serving.engine.compute_dtype)
+    # bf16 autocast only where bf16 is native: an AVX2-only CPU would emulate it (machine.compute_dtype)
     amp_dtype = compute_dtype(device)
     amp = torch.autocast(device, dtype=amp_dtype) if amp_dtype != torch.float32 else contextlib.nullcontext()
     t0 = time.perf_counter()

@@ -134,7 +134,7 @@ def train_lora(base_dir: Path, train: list[Request], out_dir: Path, cfg: LoraCon
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     # Frozen base in bf16 where bf16 is native (~1.4x faster than fp32 on an AVX-512-bf16 CPU), else fp32
     # (an AVX2-only CPU emulates bf16); trainable LoRA weights in fp32.
-    from ..serving.engine import compute_dtype
+    from ..machine import compute_dtype
 
     cdt = compute_dtype(device)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=cdt).to(device)

@@ -60,7 +60,7 @@ def _pattern(value: str) -> re.Pattern:
     return re.compile(r"(?<![A-Za-z0-9])" + re.escape(value) + r"(?![A-Za-z0-9])", re.IGNORECASE)
 
 
-def _substitute(req: Request, rng: random.Random) -> Request | None:
+def substitute(req: Request, rng: random.Random) -> Request | None:
     gold = req.gold
     if req.task != "search" or not isinstance(gold, dict):
         return None
@@ -131,7 +131,7 @@ def novel_requests(n: int, seed: int = 0) -> list[Request]:
     batch = 4 * n
     base = generate("test", batch, seed=1000 + seed)  # a seed the test split (seed 0) never uses
     for req in base:
-        new = _substitute(req, rng)
+        new = substitute(req, rng)
         if new is not None:
             new.id = f"novel-{len(out):05d}"
             out.append(new)
