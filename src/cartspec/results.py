@@ -52,7 +52,7 @@ class Machine(BaseModel):
 
     @classmethod
     def here(cls) -> "Machine":
-        from .serving.engine import engine_versions
+        from .machine import engine_versions
 
         versions = dict(engine_versions())
         try:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata as md
 import json
 import math
 import os
-import platform
 from pathlib import Path
 
 from .. import machine
-from ..machine import auto_dtype, compute_dtype, cpu_features, gpus, has_cuda, hardware, resolve_dtype  # noqa: F401  (re-exported)
+from ..machine import (auto_dtype, compute_dtype, cpu_features, engine_versions, gpus, has_cuda, hardware,  # noqa: F401
+                       resolve_dtype, source_commit)  # re-exported: the serving layer's callers import them from here
 
 
 def engine_env() -> dict[str, str]:
@@ -27,64 +25,6 @@ def engine_env() -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": "4",
     }
     return {k: os.environ.get(k, v) for k, v in defaults.items()}
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
-
-
-def source_commit(src: str | Path | None = None) -> str:
-    """The git commit cartspec runs from (short id, ``+dirty`` where tracked files differ from it), or
-    ``"-"`` where it is not a git checkout (an installed wheel) or git is missing: a result then names the
-    version of the code that measured it, not only the package version."""
-    import subprocess
-
-    src = Path(src) if src else Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10)
-        if head.returncode != 0:
-            return "-"
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10)
-        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-    except (OSError, subprocess.SubprocessError):
-        return "-"
-
-
-@functools.lru_cache(maxsize=1)
-def engine_versions() -> dict[str, str]:
-    """Recorded with every result: which engine, torch and machine produced it. On CUDA also ``gpu``
-    (the device model; the models joined by ", " when the devices differ) and ``gpu_count``."""
-    out = {
-        "vllm": _version("vllm-cpu") and f"vllm-cpu {_version('vllm-cpu')}" or f"vllm {_version('vllm')}",
-        "torch": _version("torch") or "missing",
-        "transformers": _version("transformers") or "missing",
-        "cartspec": _version("cartspec") or "dev",
-        "cartspec_commit": source_commit(),
-        "python": platform.python_version(),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "device": "cuda" if machine.has_cuda() else "cpu",
-        "hardware": machine.hardware(),
-        "cpu_features": ",".join(machine.cpu_features()),
-        "auto_dtype": machine.auto_dtype()[0],
-    }
-    names = machine.gpus()
-    if names:  # on CPU these keys are absent
-        out["gpu"] = names[0] if len(set(names)) == 1 else ", ".join(names)
-        out["gpu_count"] = str(len(names))
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    out["cpu"] = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return out
 
 
 def kv_cache_gib(model_dir: str | Path, dtype: str, max_num_seqs: int, max_model_len: int,
