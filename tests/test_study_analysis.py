@@ -9,8 +9,11 @@ was [0, 0], and "preserved" meant only "not worse"); those fields were updated i
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -60,6 +63,23 @@ def test_summary_figures_are_those_of_the_version_before(run_dir):
     after = json.loads((run_dir / "summary.json").read_text())
     before["run"].pop("dir"), after["run"].pop("dir")  # where the copy was reported
     assert _missing_or_changed(before, after) == []
+
+
+def _golden_form(text: str, run_dir: Path) -> str:
+    """A page or summary as ``golden/`` stores it: the run's directory as ``RUN_DIR``, and each inline PNG as
+    the SHA-256 of its bytes (the same pictures, a fiftieth of the size)."""
+    text = text.replace(str(run_dir), "RUN_DIR")
+    return re.sub(r"data:image/png;base64,([A-Za-z0-9+/=]+)",
+                  lambda m: "data:image/png;sha256," + hashlib.sha256(base64.b64decode(m.group(1))).hexdigest(),
+                  text)
+
+
+def test_summary_and_report_are_byte_identical_to_the_golden_run(run_dir):
+    """``golden/`` holds summary.json and report.html as the code before the typed results-to-report path
+    (issue 32) built them from this fixture. The refactor moves code, it changes no figure and no byte."""
+    for name in ("summary.json", "report.html"):
+        after = _golden_form((run_dir / name).read_text(), run_dir)
+        assert after == (DATA / "golden" / name).read_text(), name
 
 
 def test_summary_json_is_the_analysis_and_loads_back(run_dir):
