@@ -62,10 +62,10 @@ def hardware() -> str:
 def auto_dtype() -> tuple[str, str]:
     """The serving dtype cartspec picks on this machine, and why.
 
-    On an AVX2-only CPU bf16 is emulated: measured with the bundled model and its EAGLE-3 head, float32
-    ran the baseline faster (27.0 vs 23.9 tok/s at one stream) and kept speculation's payoff (x1.85 vs
-    x1.04 at one stream, x1.28 vs x0.89 at eight), so float32 is the default there. Where bf16 is native
-    (AVX-512-bf16, AMX, CUDA) it halves the bytes moved per token and wins."""
+    On an AVX2-only CPU bf16 is emulated (converted to float32 around every matmul): there float32 ran the
+    bundled baseline faster and kept speculation's payoff, so float32 is the default (the measurements:
+    docs/machine-notes.md). Where bf16 is native (AVX-512-bf16, AMX, CUDA) it halves the bytes moved per
+    token and wins."""
     if has_cuda():
         import torch
 
@@ -82,8 +82,8 @@ def auto_dtype() -> tuple[str, str]:
 def compute_dtype(device: str = "cpu"):
     """The torch dtype of cartspec's own compute on ``device`` (head training, feature capture, LoRA
     training): bfloat16 where it is native (CUDA with bf16, a CPU with AVX-512-bf16 or AMX), else float32.
-    An AVX2-only CPU emulates bf16 matmuls, converting around every one: there a head's training step ran
-    over ten times slower under bf16 autocast than the same step elsewhere. ``CARTSPEC_COMPUTE_DTYPE``
+    An AVX2-only CPU emulates bf16 matmuls, converting around every one, which makes a training step under
+    bf16 autocast many times slower there (docs/machine-notes.md). ``CARTSPEC_COMPUTE_DTYPE``
     (bfloat16 | float32) overrides the pick."""
     import torch
 

@@ -13,9 +13,8 @@ from ..machine import (auto_dtype, compute_dtype, cpu_features, engine_versions,
 
 
 def engine_env() -> dict[str, str]:
-    """Environment for vLLM processes. On CPU, compute on every core (vLLM
-    reserves one by default: 47 vs 39 tok/s for one stream on a 2-core EPYC);
-    a user's own setting wins."""
+    """Environment for vLLM processes. On CPU, compute on every core (vLLM reserves one by default, which
+    on a 2-core machine leaves one of two cores idle; docs/machine-notes.md); a user's own setting wins."""
     if machine.has_cuda():
         return {}
     n = os.cpu_count() or 1
