@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from cartspec.results import PointConfig, PointResult, RequestRecord, append_result
 from cartspec.task.request_sets import load_request_set
 from cartspec.cli import app
-from cartspec.quality.study import QualityError, QualityReport, quality_for_run
+from cartspec.quality.models import QualityReport
+from cartspec.quality.study import QualityError, quality_for_run
 from cartspec.task.schema import SCHEMAS, canonical_json
 from cartspec.testing.trivial_server import FakeConfig, TrivialServer
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Iterable, Literal, Sequence
 
 from pydantic import BaseModel, Field
 
-from ..quality.study import JudgeCalibration, QualityEntry
+from ..quality.models import JudgeCalibration, QualityEntry, QualityReport
 from ..results import Invocation, Machine, PointResult, RunManifest, load_label, load_results, load_value
 from ..serving.spec import schedule_gamma
 from .classes import ClassAcceptance
@@ -259,14 +259,15 @@ class StudyAnalysis(BaseModel):
     def ok_points(self) -> list[StudyRow]:
         return [r for r in self.points if r.ok]
 
-    def quality_report(self) -> dict[str, Any] | None:
-        """What ``cartspec quality`` wrote, as the quality renderers read it; None when it has not run."""
+    def quality_report(self) -> QualityReport | None:
+        """What ``cartspec quality`` wrote, as the summary carries it; None when it has not run."""
         if not self.quality and self.quality_metric is None:
             return None
         judge = self.quality_judge or QualityJudge()
-        return {"entries": [e.model_dump(mode="json") for e in self.quality],
-                "metric": self.quality_metric, "margin": self.quality_margin, "judge": judge.judge,
-                "calibrations": {m: c.model_dump(mode="json") for m, c in judge.calibrations.items()}}
+        defaults = QualityReport()
+        return QualityReport(entries=self.quality, metric=self.quality_metric or defaults.metric,
+                             margin=defaults.margin if self.quality_margin is None else self.quality_margin,
+                             judge=judge.judge, calibrations=judge.calibrations)
 
     def save(self, run_dir: str | Path) -> Path:
         path = Path(run_dir) / SUMMARY_FILE
@@ -434,7 +435,7 @@ def _rng(values: Iterable[float | None], fmt: str) -> str:
 
 
 def published_comparison(rows: list[StudyRow], caps: list[CapacityRow], tests: list[QualityTest] | None = None,
-                         quality: dict[str, Any] | None = None) -> list[Comparison]:
+                         quality: QualityReport | None = None) -> list[Comparison]:
     ok = [r for r in rows if r.ok and r.speculative]
     out = []
     # One row per temperature: pooling greedy and sampled points would hide what either does.
@@ -467,7 +468,7 @@ def published_comparison(rows: list[StudyRow], caps: list[CapacityRow], tests: l
         out.append(Comparison(finding="one instance with speculation vs two without", published=PUBLISHED["one_vs_two"],
                               ours="; ".join(parts) + " (2.00× would replace two instances with one)" if parts
                               else "not measured"))
-    if quality and quality.get("entries"):  # `cartspec quality` ran: like beside like
+    if quality and quality.entries:  # `cartspec quality` ran: like beside like
         from ..quality.report import judge_comparison, structured_comparison
 
         out.append(Comparison(finding="quality: LLM-as-judge, pairwise", published=PUBLISHED["quality"],
@@ -661,16 +662,8 @@ def cost_model_section(results: list[PointResult]) -> CostModelFit | CostModelMi
 # --- the whole analysis -------------------------------------------------------------------------------
 
 
-def _quality_json(run_dir: Path) -> dict[str, Any] | None:
-    """What `cartspec quality` wrote (quality.json), as JSON; None when it has not run on this run."""
-    from ..quality.study import load_quality
-
-    q = load_quality(run_dir)
-    return q.model_dump(mode="json") if q else None
-
-
 def analyse(results: list[PointResult], manifest: RunManifest | None = None, run_dir: str | Path = "",
-            quality: dict[str, Any] | None = None, target_rps: float | None = None,
+            quality: QualityReport | None = None, target_rps: float | None = None,
             slo: float | None = None) -> StudyAnalysis:
     """The analysis of a run's points. ``quality``: ``cartspec quality``'s report (quality.json), if it ran."""
     from .classes import acceptance_by_class
@@ -683,16 +676,16 @@ def analyse(results: list[PointResult], manifest: RunManifest | None = None, run
     tests = quality_tests(results)
     comparison = published_comparison(rows, caps, tests, quality)
     text = verdict(rows, caps, slo, tests)
-    if quality and quality.get("entries"):
+    if quality and quality.entries:
         from ..quality.report import quality_sentence
 
         text += quality_sentence(quality)
     machine = manifest.machine or next((r.machine for r in results if r.machine), {})
     versions = next((r.deployment.versions for r in results if r.deployment and r.deployment.versions), {})
     judge = None
-    if quality and (quality.get("judge") or quality.get("calibrations")):
-        judge = QualityJudge(judge=quality.get("judge"), calibrations=quality.get("calibrations", {}),
-                             metric=quality.get("metric"), margin=quality.get("margin"))
+    if quality and (quality.judge or quality.calibrations):
+        judge = QualityJudge(judge=quality.judge, calibrations=quality.calibrations, metric=quality.metric,
+                             margin=quality.margin)
     return StudyAnalysis(
         run=RunInfo(dir=str(run_dir), preset=manifest.preset, machine=machine, engine=versions,
                     invocations=manifest.invocations,
@@ -701,14 +694,16 @@ def analyse(results: list[PointResult], manifest: RunManifest | None = None, run
                     rounds=int(manifest.plan.get("rounds") or 1),
                     restart_rounds=bool(manifest.plan.get("restart_rounds"))),
         slo_e2el_s=slo, target_rps=target, points=rows, capacity=caps, quality_tests=tests,
-        published_comparison=comparison, verdict=text, quality=(quality or {}).get("entries", []),
-        quality_judge=judge, quality_metric=(quality or {}).get("metric"),
-        quality_margin=(quality or {}).get("margin"), cost_model=cost_model_section(results),
+        published_comparison=comparison, verdict=text, quality=quality.entries if quality else [],
+        quality_judge=judge, quality_metric=quality.metric if quality else None,
+        quality_margin=quality.margin if quality else None, cost_model=cost_model_section(results),
         adaptive=adaptive_table(rows, results), acceptance_by_class=acceptance_by_class(results))
 
 
 def analyse_run(run_dir: str | Path, target_rps: float | None = None, slo: float | None = None) -> StudyAnalysis:
     """A run directory's ``results.jsonl`` (+ ``run.json``, ``quality.json``), analysed."""
+    from ..quality.study import load_quality
+
     run_dir = Path(run_dir)
-    return analyse(load_results(run_dir), RunManifest.load(run_dir), run_dir, _quality_json(run_dir),
+    return analyse(load_results(run_dir), RunManifest.load(run_dir), run_dir, load_quality(run_dir),
                    target_rps=target_rps, slo=slo)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from ..task.data import Request
 
 if TYPE_CHECKING:
-    from .study import JudgeCalibration, Pair, QualityReport
+    from .models import JudgeCalibration, Pair, QualityReport
 
 MODES = ("plain", "reference")
 RELIABLE_ACCURACY = 0.80
@@ -223,7 +223,7 @@ def calibration_items(per_kind: int = 8) -> list[tuple[str, Request, str, str]]:
 
 def calibrate(make_client: Callable[[], Any], setup: JudgeSetup) -> "JudgeCalibration":
     """Judge the known-answer pairs (gold as the first reply, "candidate"): gold must win, identical tie."""
-    from .study import JudgeCalibration
+    from .models import JudgeCalibration
 
     items = calibration_items(setup.calibration_per_kind)
     ref = setup.mode == "reference"
@@ -273,7 +273,7 @@ def run_judge(setup: JudgeSetup, report: "QualityReport", pairs: dict[tuple[str,
     from ..serving.client import ChatClient
     from ..task.schema import SCHEMAS, canonical_json
     from .paired import sign_test
-    from .study import JudgeResult
+    from .models import JudgeResult
 
     with judge_endpoint(setup, Path(run_dir) / "logs") as ep:
         report.judge = {"url": setup.url or "local", "model": ep.served_name if setup.url else (setup.model or "base"),

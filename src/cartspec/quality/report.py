@@ -2,66 +2,64 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jinja2
 
+from .models import JudgeCalibration, QualityReport
 from .paired import TEST_NAME
 
 
-def _cal_text(cal: dict[str, Any] | None) -> str:
+def _cal_text(cal: JudgeCalibration | None) -> str:
     if not cal:
         return "not calibrated"
-    return (f"calibration ({cal['mode']}, {cal['n']} known-answer pairs): accuracy {cal['accuracy']:.0%}, "
-            f"position consistency {cal['position_consistency']:.0%}, tie rate {cal['tie_rate']:.0%} — "
-            + ("reliable" if cal["reliable"] else "UNRELIABLE (below 80%): the verdict rests on the structured tests"))
+    return (f"calibration ({cal.mode}, {cal.n} known-answer pairs): accuracy {cal.accuracy:.0%}, "
+            f"position consistency {cal.position_consistency:.0%}, tie rate {cal.tie_rate:.0%} — "
+            + ("reliable" if cal.reliable else "UNRELIABLE (below 80%): the verdict rests on the structured tests"))
 
 
-def judge_comparison(quality: dict[str, Any]) -> str:
+def judge_comparison(quality: QualityReport) -> str:
     """The study's judge row, ours: win/tie/loss per deployment and T, with the judge's calibration."""
-    entries = [e for e in quality.get("entries", []) if e.get("judge")]
+    entries = [e for e in quality.entries if e.judge]
     if not entries:
-        cals = quality.get("calibrations") or {}
+        cals = quality.calibrations
         extra = ("; judge calibrated only: " + "; ".join(_cal_text(c) for c in cals.values())) if cals else ""
         return "not run (structured tests only; `cartspec quality --run DIR` adds the judge)" + extra
-    j0 = entries[0]["judge"]
-    parts = [f"{e['deployment']} T={e['temperature']:g}: {e['judge']['win']} wins / {e['judge']['tie']} ties / "
-             f"{e['judge']['loss']} losses (sign test p={e['judge']['p_value']:.2g})" for e in entries]
-    judge = quality.get("judge") or {}
-    others = [c for m, c in (quality.get("calibrations") or {}).items() if m != j0["mode"]]
-    return (f"judge {judge.get('model', j0['model'])}, both orders, inconsistent = tie: " + "; ".join(parts)
-            + ". " + _cal_text(j0.get("calibration"))
+    j0 = entries[0].judge
+    parts = [f"{e.deployment} T={e.temperature:g}: {e.judge.win} wins / {e.judge.tie} ties / "
+             f"{e.judge.loss} losses (sign test p={e.judge.p_value:.2g})" for e in entries]
+    judge = quality.judge or {}
+    others = [c for m, c in quality.calibrations.items() if m != j0.mode]
+    return (f"judge {judge.get('model', j0.model)}, both orders, inconsistent = tie: " + "; ".join(parts)
+            + ". " + _cal_text(j0.calibration)
             + "".join(f"; also {_cal_text(c)}" for c in others))
 
 
-def structured_comparison(quality: dict[str, Any]) -> str:
-    entries = quality.get("entries", [])
+def structured_comparison(quality: QualityReport) -> str:
+    entries = quality.entries
     if not entries:
         return "not tested"
-    v = [e["verdict"] for e in entries]
-    metric = quality.get("metric", "exact_match")
-    parts = [f"{e['deployment']} T={e['temperature']:g}: {e['verdict']} (Δ {100 * e['diff']:+.1f} pts "
-             f"[{100 * e['ci_low']:+.1f}, {100 * e['ci_high']:+.1f}], {e['n']} requests × {e['samples']} samples"
-             + (f"; ~{e['needed_n']} requests" + (f" or {e['needed_samples']} samples per request"
-                                                    if e.get("needed_samples") else "") + " needed"
-                if e.get("needed_n") else "")
-             + (f"; {e['identical']:.0%} of replies identical to the baseline's" if e.get("identical") else "")
+    v = [e.verdict for e in entries]
+    parts = [f"{e.deployment} T={e.temperature:g}: {e.verdict} (Δ {100 * e.diff:+.1f} pts "
+             f"[{100 * e.ci_low:+.1f}, {100 * e.ci_high:+.1f}], {e.n} requests × {e.samples} samples"
+             + (f"; ~{e.needed_n} requests" + (f" or {e.needed_samples} samples per request"
+                                                 if e.needed_samples else "") + " needed"
+                if e.needed_n else "")
+             + (f"; {e.identical:.0%} of replies identical to the baseline's" if e.identical else "")
              + ")" for e in entries]
-    return (f"{metric}, margin ±{100 * quality.get('margin', 0.02):g} pts: {v.count('preserved')} preserved, "
+    return (f"{quality.metric}, margin ±{100 * quality.margin:g} pts: {v.count('preserved')} preserved, "
             f"{v.count('inconclusive')} inconclusive, {v.count('worse')} worse of {len(v)}; " + "; ".join(parts))
 
 
-def quality_sentence(quality: dict[str, Any]) -> str:
+def quality_sentence(quality: QualityReport) -> str:
     """The verdict's quality sentence: the equivalence verdicts, and an alarm for any that is worse."""
-    entries = quality.get("entries", [])
-    parts = [f"{e['deployment']} T={e['temperature']:g} {e['verdict']} ({100 * e['diff']:+.1f} pts, 95% CI "
-             f"[{100 * e['ci_low']:+.1f}, {100 * e['ci_high']:+.1f}], {e['n']} requests × {e['samples']})"
+    entries = quality.entries
+    parts = [f"{e.deployment} T={e.temperature:g} {e.verdict} ({100 * e.diff:+.1f} pts, 95% CI "
+             f"[{100 * e.ci_low:+.1f}, {100 * e.ci_high:+.1f}], {e.n} requests × {e.samples})"
              for e in entries]
-    worse = [e for e in entries if e["verdict"] == "worse"]
-    text = (f" Quality, paired {quality.get('metric')} vs the baseline, margin ±{100 * quality.get('margin', 0.02):g} "
+    worse = [e for e in entries if e.verdict == "worse"]
+    text = (f" Quality, paired {quality.metric} vs the baseline, margin ±{100 * quality.margin:g} "
             f"pts: " + "; ".join(parts) + ".")
     if worse:
-        text += " QUALITY ALARM: " + ", ".join(f"{e['deployment']} at T={e['temperature']:g}" for e in worse) + \
+        text += " QUALITY ALARM: " + ", ".join(f"{e.deployment} at T={e.temperature:g}" for e in worse) + \
             " answer worse than the baseline beyond the margin."
     return text
 
@@ -97,11 +95,7 @@ the interval's lower bound to clear −margin.)</p>
 METRICS = ("exact_match", "field_accuracy", "json_valid", "schema_valid")
 
 
-def quality_html(quality: dict[str, Any]) -> str:
+def quality_html(quality: QualityReport) -> str:
     env = jinja2.Environment(autoescape=True)
-
-    def tests_by(e: dict[str, Any], metric: str) -> dict[str, Any] | None:
-        return next((t for t in e.get("tests", []) if t["metric"] == metric), None)
-
-    return env.from_string(SECTION).render(q=quality, test=TEST_NAME, metrics=METRICS, tests_by=tests_by,
-                                           cal=_cal_text)
+    return env.from_string(SECTION).render(q=quality, test=TEST_NAME, metrics=METRICS,
+                                           tests_by=lambda e, m: e.test_of(m), cal=_cal_text)

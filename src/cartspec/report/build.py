@@ -16,6 +16,7 @@ from markupsafe import Markup
 
 from ..analysis.cost_model import PointPrediction
 from ..analysis.study import StudyAnalysis, StudyRow, analyse_run
+from ..quality.models import QualityReport
 from .classes import by_class_html
 from .template import render_html
 
@@ -270,7 +271,7 @@ def render_report(analysis: StudyAnalysis, run_dir: str | Path) -> Report:
                   analysis=analysis)
 
 
-def _quality_html(quality: dict | None):
+def _quality_html(quality: QualityReport | None):
     from ..quality.report import quality_html
 
     return Markup(quality_html(quality)) if quality else ""
