@@ -59,13 +59,13 @@ def test_draft_train_needs_prompts_and_never_writes_the_bundled_heads(tmp_path, 
 
 
 def test_default_head_directory_is_not_the_bundled_one(monkeypatch, tmp_path):
-    from cartspec.draft.cli import _default_out, _is_bundled
+    from cartspec.draft.pipeline import default_out, is_bundled
 
     monkeypatch.delenv("CARTSPEC_HOME", raising=False)
-    assert str(_default_out("custom", "0123456789abcdef")) == "runs/heads/custom-01234567"
+    assert str(default_out("custom", "0123456789abcdef")) == "runs/heads/custom-01234567"
     monkeypatch.setenv("CARTSPEC_HOME", str(tmp_path))
-    assert _default_out("domain", "0123456789abcdef") == tmp_path / "heads" / "domain-01234567"
-    assert not _is_bundled(_default_out("domain", "0123456789abcdef"))
+    assert default_out("domain", "0123456789abcdef") == tmp_path / "heads" / "domain-01234567"
+    assert not is_bundled(default_out("domain", "0123456789abcdef"))
 
 
 def test_draft_train_on_a_users_prompt_file(tiny_llama_dir, tmp_path, monkeypatch):

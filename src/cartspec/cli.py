@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from .cli_options import dtype_option, served_name_option, server_api_key_env_option
 from .task.data import DataFileError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
@@ -113,13 +114,11 @@ def eval_model(
     data: str = typer.Option("test", help="train | dev | test | FILE.jsonl"),
     out: Path = typer.Option(Path("runs/eval-model.json"), help="where the scores go"),
     server: Optional[str] = typer.Option(None, help="use a running OpenAI-compatible server at this URL"),
-    served_name: str = typer.Option("cartspec", help="model name on --server"),
-    server_api_key_env: Optional[str] = typer.Option(
-        None, "--server-api-key-env", metavar="VAR", help="the environment variable holding --server's API key "
-        "(sent as 'Authorization: Bearer KEY'); the scores record VAR, never the key"),
+    served_name: str = served_name_option(default="cartspec"),
+    server_api_key_env: Optional[str] = server_api_key_env_option(records="the scores file"),
     structured: bool = typer.Option(False, help="constrain replies with vLLM structured outputs"),
     concurrency: int = 16, max_tokens: int = 160, limit: Optional[int] = None,
-    dtype: str = typer.Option("auto", help="serving dtype: auto (float32 on a CPU without native bf16, else bfloat16) | bfloat16 | float32 | float16"),
+    dtype: str = dtype_option(),
 ) -> None:
     """Serve a model with vLLM and score it on a request set (temperature 0)."""
     from .quality.structured import evaluate_model

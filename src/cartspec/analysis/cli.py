@@ -8,6 +8,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from ..cli_options import run_dir_option
+
 console = Console(stderr=True)
 if not console.is_terminal:  # a log file or pipe gets whole lines and tables, not 80 squeezed columns
     console = Console(stderr=True, width=170)
@@ -19,9 +21,8 @@ def _fail(message: str) -> None:
 
 
 def tune(
-    run: list[Path] = typer.Option(..., "--run", help="a study's run directory (holds results.jsonl); repeat it "
-                                                      "to pool several runs of this machine (each point beside "
-                                                      "its own run's baseline)"),
+    run: list[Path] = run_dir_option(repeat="repeat it to pool several runs of this machine (each point beside "
+                                            "its own run's baseline)"),
     out: Optional[Path] = typer.Option(None, "--out", help="the tuned spec (.yaml/.json; default RUN/tuned.yaml, "
                                                            "the last --run's); the reasons go beside it as "
                                                            "NAME.tune.json"),
@@ -30,7 +31,10 @@ def tune(
     max_batch: int = typer.Option(64, help="the schedule covers batch sizes 1..this"),
     min_speedup: float = typer.Option(1.0, help="speculate only where the speedup over plain decoding beats this"),
 ) -> None:
-    """Fit this machine's step costs to a study and write the fastest γ per batch size as a deployment spec."""
+    """Fit this machine's step costs to a study and write the fastest γ per batch size as a deployment spec.
+
+    Where the points are too few to fit the costs (the quick preset), the measured loads decide: at each, the
+    fastest γ whose 95% interval beats plain decoding, else γ=0; the output says which way it was decided."""
     from ..results import load_results, results_path
     from .tune import base_spec, save_tuned, tune_schedule
 
@@ -39,7 +43,8 @@ def tune(
             _fail(f"no results.jsonl in {r}: measure first, e.g. `cartspec study --preset calibrate --out {r}`")
     runs = [load_results(r) for r in run]
     try:
-        res = tune_schedule(runs, head=head, max_gamma=max_gamma, max_batch=max_batch, min_speedup=min_speedup)
+        res = tune_schedule(runs, head=head, max_gamma=max_gamma, max_batch=max_batch, min_speedup=min_speedup,
+                            fallback=True)
     except ValueError as exc:
         _fail(str(exc))
     base = base_spec([p for r in runs for p in r], res.head)
@@ -64,12 +69,17 @@ def print_tune(res) -> None:
     from rich.table import Table
 
     c = res.cost_model
-    k = c.coefficients
-    loo = f", {c.loo_median_abs_error:.1%} leave-one-out" if c.loo_median_abs_error is not None else ""
-    console.print(f"cost model on {c.n_points} points (median error {c.median_abs_error:.1%} in-sample{loo}): "
-                  f"step {1e3 * k.alpha:.2f} ms + {1e3 * k.beta:.3f} ms/verified token + "
-                  f"{1e3 * k.delta:.2f} ms/draft forward + {1e3 * k.epsilon:.3f} ms/drafted token; "
-                  f"prefill {1e3 * k.pi:.3f} ms/prompt token [dim]({c.machine})[/]")
+    if c is None:  # too few points for the model: the measured loads and their intervals decided
+        console.print(f"[yellow]decided from the measured points[/] (no cost model): at each measured load the "
+                      f"fastest γ whose 95% interval beats plain decoding by more than ×{res.min_speedup:.2f}, "
+                      "else γ=0")
+    else:
+        k = c.coefficients
+        loo = f", {c.loo_median_abs_error:.1%} leave-one-out" if c.loo_median_abs_error is not None else ""
+        console.print(f"decided by the cost model on {c.n_points} points (median error {c.median_abs_error:.1%} "
+                      f"in-sample{loo}): step {1e3 * k.alpha:.2f} ms + {1e3 * k.beta:.3f} ms/verified token + "
+                      f"{1e3 * k.delta:.2f} ms/draft forward + {1e3 * k.epsilon:.3f} ms/drafted token; "
+                      f"prefill {1e3 * k.pi:.3f} ms/prompt token [dim]({c.machine})[/]")
     temps = ", ".join(f"{x:g}" for x in res.temperatures)
     t = Table(title=f"γ per batch size, head {res.head} (speedup: mean over T={temps})", box=box.SIMPLE_HEAD)
     for col in ("batch sizes", "γ", "speedup", "basis"):
@@ -86,8 +96,21 @@ def print_tune(res) -> None:
             rng = f"×1.00 (best γ>0: {span(alt)})"
         reasons = sorted({by_batch[b].reason for b in range(lo, hi + 1)})
         measured_at = [b for b in range(lo, hi + 1) if by_batch[b].reason == "measured"]
-        basis = ("measured at " + ",".join(map(str, measured_at)) + ("; model elsewhere" if len(reasons) > 1 else "")
-                 if measured_at else "model")
+        if res.cost_model is None:  # measured loads: each one's speedup with its interval (of the best γ where off)
+            loads = sorted({by_batch[b].load for b in range(lo, hi + 1) if by_batch[b].load})
+            parts = []
+            for at in loads:
+                ch = by_batch[at]
+                g = kk or max((x for x in ch.speedup if x), key=ch.speedup.get, default=0)
+                if g:
+                    ci = ch.interval.get(g)
+                    parts.append(("" if kk else f"γ={g} ") + f"×{ch.speedup[g]:.2f} "
+                                 + (f"(95% {ci[0]:.2f}–{ci[1]:.2f})" if ci else "(no interval)"))
+            rng = "; ".join(parts) if kk else "×1.00" + (f" (best: {'; '.join(parts)})" if parts else "")
+            basis = ("measured at " + ",".join(map(str, loads)) if loads else "not measured: plain decoding")
+        else:
+            basis = ("measured at " + ",".join(map(str, measured_at))
+                     + ("; model elsewhere" if len(reasons) > 1 else "") if measured_at else "model")
         t.add_row(f"{lo}–{hi}" if hi > lo else str(lo), str(kk) if kk else "0 (off)", rng, basis)
     console.print(t)
     for n in res.notes:

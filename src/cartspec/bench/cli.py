@@ -11,6 +11,9 @@ from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
 
+from ..cli_options import (QUALITY_METRICS, dtype_option, enforce_eager_option, force_option, model_option,
+                           served_name_option, server_api_key_env_option, target_rps_option)
+
 console = Console(stderr=True)
 if not console.is_terminal:  # a log file or pipe gets whole lines and tables, not 80 squeezed columns
     console = Console(stderr=True, width=170)
@@ -82,12 +85,10 @@ def study(
     preset: str = typer.Option("quick", help="quick (minutes on CPU) | paper (the published study's grid) | "
                                              "calibrate (what `cartspec tune` needs, minutes)"),
     out: Optional[Path] = typer.Option(None, "--out", help="run directory (default runs/study-PRESET); rerun to resume"),
-    model: str = typer.Option("commerce", help="target model: commerce | base | PATH to an HF directory"),
+    model: str = model_option(),
     server: Optional[str] = typer.Option(None, help="measure this running OpenAI-compatible endpoint instead"),
-    served_name: Optional[str] = typer.Option(None, help="model name on --server (default: its first model)"),
-    server_api_key_env: Optional[str] = typer.Option(
-        None, "--server-api-key-env", metavar="VAR", help="the environment variable holding --server's API key, "
-        "sent as 'Authorization: Bearer KEY' (NIM, hosted APIs); run.json records VAR, never the key"),
+    served_name: Optional[str] = served_name_option(),
+    server_api_key_env: Optional[str] = server_api_key_env_option(records="run.json"),
     deployments: Optional[str] = typer.Option(
         None, help="comma list replacing the preset's: baseline, ngram:3, eagle3:domain:3, eagle3:PATH:5, "
                    "eagle3:domain:auto (γ per batch size tuned for this machine), hybrid:domain:3 (EAGLE-3 + prompt lookup), "
@@ -109,23 +110,21 @@ def study(
     warmup: Optional[int] = typer.Option(None, help="warm-up requests per point (default min(concurrency, 8))"),
     max_tokens: Optional[int] = typer.Option(None, help="max output tokens per request"),
     structured: bool = typer.Option(False, help="constrain replies to the task's JSON schema (vLLM structured outputs)"),
-    enforce_eager: bool = typer.Option(False, help="start vLLM without torch.compile (faster start, slower decode)"),
-    dtype: str = typer.Option("auto", help="serving dtype of every deployment: auto (float32 on a CPU without "
-                                           "native bf16, else bfloat16) | bfloat16 | float32 | float16"),
+    enforce_eager: bool = enforce_eager_option(),
+    dtype: str = dtype_option(of="of every deployment"),
     slo: float = typer.Option(2.0, help="E2EL SLO in seconds for goodput and capacity"),
     seed: int = typer.Option(0, help="at T > 0 each request carries a seed derived from this (paired runs); "
                                      "-1: send none, as production clients do"),
-    target_rps: Optional[float] = typer.Option(None, help="load to size instances for (req/s); default 2x the baseline's capacity"),
+    target_rps: Optional[float] = target_rps_option(default_note="default 2x the baseline's capacity"),
     samples: int = typer.Option(1, min=1, help="replies per request at every point (sample j of request i gets the "
                                                "same seed on every deployment): more paired samples at T > 0 make "
                                                "the quality verdict conclusive sooner (`cartspec quality` says how many)"),
     quality_metric: str = typer.Option("exact_match", "--quality-metric",
-                                       help="the metric the quality verdict rests on: exact_match | field_accuracy | "
-                                            "json_valid | schema_valid"),
+                                       help=f"the metric the quality verdict rests on: {QUALITY_METRICS}"),
     judge: Optional[str] = typer.Option(None, help="after the sweep, also judge replies pairwise with this "
                                                    "OpenAI-compatible endpoint, or 'local' to start one (slow on CPU); "
                                                    "default: structured tests only"),
-    force: bool = typer.Option(False, "--force", help="measure heads trained for another target anyway (warns)"),
+    force: bool = force_option("measure heads"),
     interleave: Optional[int] = typer.Option(
         None, min=1, help="servers up at once, measured in turn at every point so that the host's drift lands on "
                           "all alike (default: the preset's; paper 4; fewer when memory runs short); 1: one "

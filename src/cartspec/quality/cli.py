@@ -8,6 +8,8 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
+from ..cli_options import QUALITY_METRICS, run_dir_option
+
 console = Console(stderr=True)
 if not console.is_terminal:
     console = Console(stderr=True, width=170)
@@ -63,9 +65,9 @@ def quality_after_study(run: Path, *, metric: str = "exact_match", judge: Option
 
 
 def quality(
-    run: Path = typer.Option(..., "--run", help="a study's run directory (holds results.jsonl)"),
-    metric: str = typer.Option("exact_match", help="the metric the verdict rests on: exact_match | field_accuracy | "
-                                                   "json_valid | schema_valid (all are tested and reported)"),
+    run: Path = run_dir_option(),
+    metric: str = typer.Option("exact_match", help=f"the metric the verdict rests on: {QUALITY_METRICS} "
+                                                   "(all are tested and reported)"),
     margin: float = typer.Option(0.02, help="equivalence margin, as a fraction (0.02: 2 points)"),
     judge: Optional[str] = typer.Option(None, help="the judge: an OpenAI-compatible endpoint URL, or 'local' (the "
                                                    "default): start vLLM with --judge-model (default base: "
@@ -83,6 +85,7 @@ def quality(
 ) -> None:
     """Paired quality tests of a study's stored replies against the baseline's (no re-measurement), with an
     optional pairwise LLM judge and its calibration; writes quality.json, summary.json and the report."""
+    from ..report.build import build_report
     from ..serving.endpoint import EndpointError, MissingApiKey
     from ..serving.server import DeploymentError
     from .judge import JudgeFailed
@@ -114,6 +117,7 @@ def quality(
     except (QualityError, EndpointError, MissingApiKey, JudgeFailed, DeploymentError) as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2)
+    build_report(run)  # quality_for_run writes quality.json only: the command builds the report, once
     print_quality(report)
     console.print(f"quality: {run / 'quality.json'}\nsummary: {run / 'summary.json'}\nreport: {run / 'report.html'}")
 

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Optional
 import typer
 from rich.console import Console
 
+from ..cli_options import run_dir_option, target_rps_option
+
 if TYPE_CHECKING:
     from ..analysis.study import StudyRow
 
@@ -41,8 +43,7 @@ def print_table(rows: list[StudyRow]) -> None:
     console.print(t)
 
 
-def report(run: Path = typer.Option(..., "--run", help="a study's run directory (holds results.jsonl)"),
-           target_rps: Optional[float] = typer.Option(None, help="load to size instances for (req/s)")) -> None:
+def report(run: Path = run_dir_option(), target_rps: Optional[float] = target_rps_option()) -> None:
     """Rebuild a study's HTML report and summary.json from its results."""
     from .build import build_report
 
