@@ -13,6 +13,7 @@ from cartspec.task.request_sets import load_request_set
 from cartspec.cli import app
 from cartspec.quality.models import QualityReport
 from cartspec.quality.study import QualityError, quality_for_run
+from cartspec.report.build import build_report
 from cartspec.task.schema import SCHEMAS, canonical_json
 from cartspec.testing.trivial_server import FakeConfig, TrivialServer
 
@@ -48,6 +49,8 @@ def make_run(path, candidate, n=40, samples=10, temperature=0.5, baseline=True, 
 def test_equal_candidate_preserved_with_samples_and_summary_has_quality(tmp_path):
     make_run(tmp_path, lambda i, j, r: gold_text(r), n=40, samples=10)
     rep = quality_for_run(tmp_path, metric="exact_match")
+    assert not (tmp_path / "report.html").exists()  # the quality stage starts no report: its caller does
+    build_report(tmp_path)
     (e,) = rep.entries
     assert (e.deployment, e.temperature, e.n, e.pairs, e.samples) == ("eagle3-domain-g3", 0.5, 40, 400, 10)
     assert e.verdict == "preserved" and -0.02 < e.ci_low <= e.ci_high < 0.02 and e.needed_n is None
@@ -73,6 +76,7 @@ def test_degraded_candidate_is_worse_and_pairs_are_matched_by_sample(tmp_path):
     assert e.verdict == "worse" and e.diff == pytest.approx(-0.2) and e.ci_high < -0.02
     fields = {f.field: f for f in e.fields}
     assert any(f.diff < 0 for f in fields.values())
+    build_report(tmp_path)
     verdict = json.loads((tmp_path / "summary.json").read_text())["verdict"]
     assert "QUALITY ALARM" in verdict and "eagle3-domain-g3 at T=0.5" in verdict
 
@@ -97,6 +101,7 @@ def test_scripted_judge_on_the_run(tmp_path):
     assert sum(t["loss"] for t in j.by_task.values()) == 5 and sum(t["tie"] for t in j.by_task.values()) == 35
     assert j.calibration.reliable and j.calibration.accuracy == 1.0
     assert rep.calibrations["reference"] == j.calibration
+    build_report(tmp_path)
     summary = json.loads((tmp_path / "summary.json").read_text())
     row = next(c for c in summary["published_comparison"] if c["finding"] == "quality: LLM-as-judge, pairwise")
     assert "0 wins / 35 ties / 5 losses" in row["ours"] and "accuracy 100%" in row["ours"]

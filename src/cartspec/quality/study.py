@@ -4,7 +4,7 @@ Per speculative deployment and temperature, every reply is paired with the basel
 and sample index (``RequestRecord.id`` and ``.sample``) at the same load, request set and settings, and
 scored against the request's gold answer; ``quality/paired.py`` makes the tests and the verdict, and
 ``quality/judge.py`` the optional pairwise judge with its calibration. The result goes to ``quality.json``
-in the run directory, and from there into ``summary.json`` (``quality``) and the report.
+in the run directory; the analysis reads it from there into ``summary.json`` (``quality``) and the report.
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ def load_quality(run_dir: str | Path) -> QualityReport | None:
 
 def quality_for_run(run_dir: str | Path, *, metric: str = "exact_match", margin: float = 0.02,
                     judge: "JudgeSetup | None" = None, log=print) -> QualityReport:
-    """Test (and with ``judge``, judge) a run's stored replies; writes ``quality.json`` and rebuilds the report."""
+    """Test (and with ``judge``, judge) a run's stored replies; writes ``quality.json``. The report is the
+    caller's to rebuild (``report.build.build_report``): this stage never starts the one after it."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise QualityError(f"run directory not found: {run_dir}")
@@ -158,8 +159,5 @@ def quality_for_run(run_dir: str | Path, *, metric: str = "exact_match", margin:
         gold = gold_requests([r for r in results if r.status == "ok"])
         run_judge(judge, report, pairs, gold, run_dir, log=log)
     (run_dir / QUALITY_FILE).write_text(report.model_dump_json(indent=2))
-    from ..report.build import build_report
-
-    build_report(run_dir)
     return report
 
