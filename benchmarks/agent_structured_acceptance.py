@@ -22,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from cartspec.agent.cli import default_spec
+from cartspec.agent.defaults import default_spec
 from cartspec.serving.client import ChatClient, gather_limited
 from cartspec.serving.server import VllmServer, install_signal_handlers
 from cartspec.serving.spec import Speculative

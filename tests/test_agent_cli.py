@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from cartspec.agent.cli import default_spec
+from cartspec.agent.defaults import default_spec
 from cartspec.agent.config import AgentConfig, RouterConfig
 from cartspec.model.convert import ModelNotFound
 from test_agent_app import FakeUpstream, _free_port
@@ -102,7 +102,7 @@ def test_serve_with_upstream_answers_and_stops_on_ctrl_c(tmp_path):
 
 
 def test_keeper_restarts_a_deployment_that_died(tmp_path):
-    from cartspec.agent.cli import Keeper
+    from cartspec.agent.supervisor import Keeper
     from cartspec.serving.spec import DeploymentSpec
     from test_serving_cleanup import STANDIN, StandIn
 

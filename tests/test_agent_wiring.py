@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from cartspec.agent.cli import Keeper
+from cartspec.agent.supervisor import Keeper
 from cartspec.agent.config import AgentConfig, AdmissionConfig, RouterConfig
 from cartspec.agent.wiring import apply_flags, build_upstreams, plain_spec
 from cartspec.serving.spec import DeploymentSpec, Speculative

@@ -123,13 +123,14 @@ def test_calibrate_preset_measures_what_the_cost_model_needs():
 
 
 def test_serve_adaptive_uses_the_schedule_tuned_for_this_machine(home, tmp_path):
-    from cartspec.agent.cli import _adaptive, default_spec
+    from cartspec.agent.cli import adaptive_schedule
+    from cartspec.agent.defaults import adaptive_request, default_spec
 
     run = write_run(tmp_path / "run", sweep())
     spec = parse_deployment("eagle3:domain:auto", "commerce").model_copy(update={"dtype": "float32"})
     tuned = adaptive.resolve_adaptive(spec, run, _calibrate_never, log=lambda m: None)  # a study cached it
-    served = _adaptive(default_spec("commerce", "domain", 3, False, "float32", "eagle3").model_copy(
-        update={"max_num_seqs": spec.max_num_seqs}), tmp_path / "logs")
+    served = adaptive_schedule(adaptive_request(default_spec("commerce", "domain", 3, False, "float32", "eagle3")
+                                                .model_copy(update={"max_num_seqs": spec.max_num_seqs})))
     assert served.speculative.schedule == tuned.speculative.schedule
     assert served.speculative.vllm_config("/h")["num_speculative_tokens_per_batch_size"]
 

@@ -76,7 +76,7 @@ def test_bundled_heads_match_the_bundled_models():
 
 
 def test_head_auto_picks_no_bundled_head_for_a_users_model(tiny_llama_dir):
-    from cartspec.agent.cli import default_spec
+    from cartspec.agent.defaults import default_spec
 
     assert matching_bundled_head(tiny_llama_dir) is None
     assert default_spec(str(tiny_llama_dir), "auto", 3, True).speculative.method == "none"

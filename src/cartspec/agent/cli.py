@@ -1,15 +1,21 @@
-"""``cartspec serve``: the target deployment(s) and the agent, in one command."""
+"""``cartspec serve``: the target deployment(s) and the agent, in one command.
+
+A shell: what it deploys by default is ``agent.defaults``, what keeps the vLLMs up is
+``agent.supervisor``, what goes behind the agent is ``agent.wiring``, and an adaptive schedule comes
+from the tuning cache (``bench.adaptive.serving_schedule``).
+"""
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.console import Console
+
+from ..cli_options import dtype_option, enforce_eager_option, force_option, model_option
+from .defaults import DEFAULT_DRAFT
 
 if TYPE_CHECKING:
     from ..serving.spec import DeploymentSpec
@@ -17,95 +23,12 @@ if TYPE_CHECKING:
 console = Console(stderr=True)
 
 
-# What `serve` drafts with by default: the method measured best for the bundled model and head. The hybrid
-# with the pointer (rule ``pointer`` where a pointer was trained for the served model, else the hybrid's
-# default rule): `cartspec study --preset quick`, 2-core AMD EPYC with AVX-512-bf16, T=0, ×2.73 / ×1.42
-# over plain decoding at 1 / 8 streams against plain EAGLE-3's ×2.75 / ×1.20, replies identical.
-DEFAULT_DRAFT = "hybrid"
-
-
-def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: str = "auto",
-                 draft: str = DEFAULT_DRAFT) -> "DeploymentSpec":
-    """The deployment ``serve`` runs: the commerce target; the domain head at γ=3 when the head is
-    there (the study's best γ), drafting with ``draft`` (eagle3, or hybrid: the head plus prompt
-    lookup, with the pointer where the bundled one was trained for the served model), otherwise no
-    speculation."""
-    from ..model.convert import ModelNotFound
-    from ..model.registry import matching_bundled_head, resolve_head, resolve_model
-    from ..serving.spec import DeploymentSpec, Speculative
-
-    speculative = Speculative()
-    if head == "auto":  # only a bundled head trained for this target (or for its base)
-        try:
-            head = matching_bundled_head(resolve_model(model)) or "none"
-        except ModelNotFound as exc:
-            console.print(f"[yellow]{exc}[/]")
-            head = "none"
-        if head == "none":
-            console.print(f"[yellow]no bundled head was trained for {model}: serving without speculation "
-                          "(train one: cartspec draft train --target MODEL --prompts FILE.jsonl)[/]")
-    if head != "none":
-        resolve_head(head)
-        rule = None
-        if draft == "hybrid":  # with the pointer where one was trained for this model
-            from ..model.registry import matching_bundled_pointer
-
-            rule = "pointer" if matching_bundled_pointer(resolve_model(model)) else None
-        speculative = Speculative(method=draft, model=head, num_speculative_tokens=gamma, hybrid_rule=rule)
-    # Per-request timing metrics give the trace vLLM's own queue time and TTFT.
-    return DeploymentSpec(model=model, speculative=speculative, enforce_eager=enforce_eager, dtype=dtype,
-                          engine_args=["--enable-per-request-metrics"])
-
-
-class Keeper(threading.Thread):
-    """Restarts a deployment that died (crash, OOM kill); the agent answers 503
-    meanwhile (or routes to the other deployment) and follows it back up
-    through its health probe. One thread for all deployments: two vLLMs
-    (re)starting at once on two cores would each take twice as long."""
-
-    def __init__(self, servers, every_s: float = 2.0):
-        super().__init__(daemon=True, name="vllm-keeper")
-        self.servers = list(servers) if isinstance(servers, (list, tuple)) else [servers]
-        self.every_s = every_s
-        self.stopping = threading.Event()
-        self.restarts = 0
-        self._retry_at = {id(s): 0.0 for s in self.servers}
-        self._backoff = {id(s): 5.0 for s in self.servers}
-
-    @property
-    def server(self):  # the one deployment of a single-deployment serve
-        return self.servers[0]
-
-    def run(self) -> None:
-        while not self.stopping.wait(self.every_s):
-            for server in self.servers:
-                if self.stopping.is_set():
-                    return
-                if server.alive():
-                    self._backoff[id(server)] = 5.0
-                elif time.monotonic() >= self._retry_at[id(server)]:
-                    self._restart(server)
-
-    def _restart(self, server) -> None:
-        from ..serving.server import DeploymentError
-
-        console.print(f"[yellow]vLLM {server.spec.label} exited; restarting it (log: {server.log_path})[/]")
-        try:
-            server.restart()
-            self.restarts += 1
-            console.print(f"[green]vLLM {server.spec.label} back at {server.url}[/]")
-        except DeploymentError as exc:
-            if self.stopping.is_set():
-                return
-            backoff = self._backoff[id(server)]
-            console.print(f"[red]restart of {server.spec.label} failed: {exc.reason}; next try in {backoff:.0f}s[/]")
-            # A deadline, not a sleep: the other deployment stays watched meanwhile.
-            self._retry_at[id(server)] = time.monotonic() + backoff
-            self._backoff[id(server)] = min(backoff * 2, 120.0)
+def _warn(message: str) -> None:
+    console.print(f"[yellow]{message}[/]")
 
 
 def serve(
-    model: str = typer.Option("commerce", help="target: commerce | base | PATH to an HF directory"),
+    model: str = model_option("target"),
     head: str = typer.Option("auto", help="EAGLE-3 head: auto (domain when present) | none | domain | generic | PATH"),
     gamma: int = typer.Option(3, min=1, max=16, help="γ, draft tokens per step"),
     draft: Optional[str] = typer.Option(None, help="how the head drafts: eagle3 | hybrid (EAGLE-3 + prompt lookup of "
@@ -149,12 +72,10 @@ def serve(
     structured: Optional[bool] = typer.Option(None, "--structured/--no-structured",
                                               help="constrain replies with vLLM structured outputs (default on)"),
     log_dir: Path = typer.Option(Path("runs/logs"), help="vLLM logs"),
-    enforce_eager: bool = typer.Option(False, help="skip torch.compile: faster start, slower decode"),
-    dtype: str = typer.Option("auto", help="serving dtype: auto (float32 on a CPU without native bf16, else "
-                                           "bfloat16) | bfloat16 | float32 | float16; a --spec file's own wins "
-                                           "unless this is set"),
+    enforce_eager: bool = enforce_eager_option(),
+    dtype: str = dtype_option(note="; a --spec file's own wins unless this is set"),
     restart: bool = typer.Option(True, help="restart vLLM if it dies"),
-    force: bool = typer.Option(False, "--force", help="serve a head trained for another target anyway (warns)"),
+    force: bool = force_option("serve a head"),
 ) -> None:
     """Serve the commerce agent (search parameters, support replies) on a vLLM deployment,
     or on two (--plain): speculative and plain, with the router and the acceptance fallback."""
@@ -167,6 +88,8 @@ def serve(
     from ..serving.server import DeploymentError, VllmServer
     from ..serving.spec import DeploymentSpec
     from . import AgentConfig, create_app
+    from .defaults import DRAFTS, adaptive_request, default_spec
+    from .supervisor import Keeper
     from .wiring import apply_flags, build_upstreams
 
     cfg = AgentConfig.load(config) if config else AgentConfig()
@@ -201,13 +124,13 @@ def serve(
                 spec = spec.model_copy(update={"dtype": dtype}) if dtype != "auto" else spec
             elif not upstream:
                 draft = draft or ("eagle3" if adaptive else DEFAULT_DRAFT)
-                if draft not in ("eagle3", "hybrid"):
-                    raise ValueError(f"--draft must be eagle3 or hybrid, not {draft!r}")
-                spec = default_spec(model, head, gamma, enforce_eager, dtype, draft)
+                if draft not in DRAFTS:
+                    raise ValueError(f"--draft must be {' or '.join(DRAFTS)}, not {draft!r}")
+                spec = default_spec(model, head, gamma, enforce_eager, dtype, draft, say=_warn)
                 if adaptive:
-                    spec = _adaptive(spec, log_dir)
+                    spec = adaptive_schedule(adaptive_request(spec))
             elif plain and not plain_upstream:  # only its target matters: it runs without speculation
-                spec = default_spec(model, "none", gamma, enforce_eager, dtype)
+                spec = default_spec(model, "none", gamma, enforce_eager, dtype, say=_warn)
             if spec is not None and not upstream:  # a head trained for another model: refuse (or --force)
                 from ..model.registry import check_spec_head
 
@@ -218,7 +141,7 @@ def serve(
             console.print(f"[bold red]error:[/] {exc}")
             raise typer.Exit(2) from None
         if servers and restart:
-            keeper = Keeper(servers)
+            keeper = Keeper(servers, say=_warn)
             keeper.start()
         cfg = apply_flags(cfg, ups, router=router, fallback=fallback, admission_max_wait=admission_max_wait)
         app = create_app(cfg, ups)
@@ -237,17 +160,12 @@ def serve(
         endpoints.close()
 
 
-def _adaptive(spec: "DeploymentSpec", log_dir: Path) -> "DeploymentSpec":
-    """``spec`` with the γ-per-batch-size schedule tuned for this machine (cached, else calibrated now)."""
-    from ..bench.adaptive import resolve_adaptive, run_calibration, tune_dir
+def adaptive_schedule(spec: "DeploymentSpec") -> "DeploymentSpec":
+    """An adaptive ``spec`` (``defaults.adaptive_request``) with the γ-per-batch-size schedule tuned for this
+    machine: the one a study or ``cartspec tune`` cached, else a calibration run into the cache first."""
+    from ..bench.adaptive import serving_schedule
 
-    sp = spec.speculative
-    if sp.method != "eagle3":
-        raise ValueError("--adaptive needs an EAGLE-3 head (--head) drafting alone (--draft eagle3)")
-    spec = spec.model_copy(update={"speculative": sp.model_copy(update={"adaptive": True,
-                                                                       "num_speculative_tokens": None})})
-    return resolve_adaptive(spec, tune_dir() / "no-run", lambda s, d: run_calibration(s, d),
-                            log=lambda m: console.print(m))
+    return serving_schedule(spec, log=lambda m: console.print(m))
 
 
 def _log_to_stderr() -> None:

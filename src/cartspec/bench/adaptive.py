@@ -79,13 +79,15 @@ def adaptive_spec(spec: DeploymentSpec, schedule: list[tuple[int, int, int]]) ->
     return spec.model_copy(update={"speculative": sp})
 
 
-def resolve_adaptive(spec: DeploymentSpec, run_dir: Path, calibrate: Callable[[DeploymentSpec, Path], list[PointResult]],
+def resolve_adaptive(spec: DeploymentSpec, run_dir: Path | None,
+                     calibrate: Callable[[DeploymentSpec, Path], list[PointResult]],
                      log: Callable[[str], None] = print) -> DeploymentSpec:
-    """The schedule for an adaptive ``spec``: cached, else tuned from this run, else from a calibration."""
+    """The schedule for an adaptive ``spec``: tuned from this run, else cached, else from a calibration.
+    ``run_dir`` None: no study run (``cartspec serve --adaptive``): the cache, else a calibration."""
     sp = spec.speculative
     if not sp.adaptive or sp.schedule:
         return spec
-    results = load_results(run_dir)
+    results = load_results(run_dir) if run_dir is not None else []
     for r in reversed(results):  # a resumed run keeps the schedule its first points were measured with
         was = (r.config.spec or {}).get("speculative") or {}
         if r.config.deployment == spec.label and was.get("adaptive") and was.get("schedule"):
@@ -94,22 +96,32 @@ def resolve_adaptive(spec: DeploymentSpec, run_dir: Path, calibrate: Callable[[D
             return adaptive_spec(spec, schedule)
     key = cache_key(spec)
     cached = tune_dir() / f"{key}.yaml"
-    try:
-        out = tune_from(results, spec)
-        source = f"tuned from this run's points ({run_dir})"
-    except ValueError as exc:
+    out, why = None, "served without a study run"
+    if run_dir is not None:
+        try:
+            out = tune_from(results, spec)
+            source = f"tuned from this run's points ({run_dir})"
+        except ValueError as exc:
+            why = f"this run cannot tune it ({exc})"
+    if out is None:
         if cached.exists():
             tuned = DeploymentSpec.load(cached)
-            log(f"adaptive {sp.label}: this run cannot tune it ({exc}); schedule {tuned.speculative.schedule} "
+            log(f"adaptive {sp.label}: {why}; schedule {tuned.speculative.schedule} "
                 f"(cached for this machine: {cached})")
             return adaptive_spec(spec, tuned.speculative.schedule)
         cal_dir = tune_dir() / f"calibrate-{key}"
-        log(f"adaptive {sp.label}: this run cannot tune it ({exc}); calibrating into {cal_dir}")
+        log(f"adaptive {sp.label}: {why}; calibrating into {cal_dir}")
         out = tune_from(calibrate(spec, cal_dir), spec)
         source = f"tuned from a calibration ({cal_dir})"
     out.save(cached)
     log(f"adaptive {sp.label}: schedule {out.speculative.schedule}, {source}; cached at {cached}")
     return out
+
+
+def serving_schedule(spec: DeploymentSpec, log: Callable[[str], None] = print) -> DeploymentSpec:
+    """An adaptive ``spec`` to serve (``agent.defaults.adaptive_request``) with the schedule cached for this
+    machine, else one from a calibration run into the cache first (its own directory under ``tune_dir()``)."""
+    return resolve_adaptive(spec, None, run_calibration, log=log)
 
 
 # How many interleaved runs (this one included) the cached schedule is tuned from.

@@ -9,16 +9,12 @@ or ``atexit``). A start that fails raises
 ``DeploymentError`` carrying the reason and the log tail.
 
 A caller can also die without running any Python (SIGKILL, OOM killer, a
-segfault). For that each server gets a watchdog: a tiny process in its own
-session that holds the read end of a pipe whose write end only the caller
-holds. The kernel closes that end however the caller dies; the watchdog sees
-EOF and kills the whole vLLM group. ``PR_SET_PDEATHSIG`` would only reach the
-direct child, not the engine-core processes vLLM spawns.
+segfault). For that each server gets a watchdog (``serving.process``, which
+the agent's own process owner shares) that kills the whole vLLM group.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import re
@@ -33,43 +29,10 @@ from typing import Any
 
 import httpx
 
+from . import process
 from .engine import engine_env, engine_versions, has_cuda, kv_cache_gib, resolve_dtype
 from .spec import DeploymentSpec
 from .vllm_fixes import SITE_DIR
-
-# Strong references: a server whose object the caller dropped must still be
-# stopped at exit (a WeakSet would forget it and leave vLLM running).
-_LIVE: "set[VllmServer]" = set()
-
-_WATCHDOG = r"""
-import os, select, signal, sys, time
-fd, pgid = int(sys.argv[1]), int(sys.argv[2])
-signal.signal(signal.SIGINT, signal.SIG_IGN)   # a Ctrl-C meant for the caller is not for us
-signal.signal(signal.SIGHUP, signal.SIG_IGN)
-
-def group_alive():
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-while group_alive():
-    ready, _, _ = select.select([fd], [], [], 1.0)
-    if ready and not os.read(fd, 1):           # EOF: the caller is gone, however it died
-        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 0.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            end = time.monotonic() + grace
-            while time.monotonic() < end and group_alive():
-                time.sleep(0.2)
-        break
-"""
-
 
 class DeploymentError(RuntimeError):
     """A deployment that could not start or died; ``log_tail`` says why."""
@@ -211,7 +174,7 @@ class VllmServer:
         # Own process group: stop() can kill the engine's worker children too.
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        _LIVE.add(self)
+        process.register(self)
         try:
             self._start_watchdog(self.proc.pid)
             self._wait_healthy(self.spec.start_timeout_s)
@@ -221,18 +184,7 @@ class VllmServer:
         return self
 
     def _start_watchdog(self, pgid: int) -> None:
-        read_fd, write_fd = os.pipe()  # both non-inheritable: vLLM never holds the write end
-        try:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, "-S", "-c", _WATCHDOG, str(read_fd), str(pgid)], pass_fds=(read_fd,),
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True)
-        except BaseException:
-            os.close(write_fd)
-            raise
-        finally:
-            os.close(read_fd)
-        self._watch_fd = write_fd
+        self._watchdog, self._watch_fd = process.start_watchdog(pgid)
 
     def restart(self) -> "VllmServer":
         """Stop (if running) and start again on the same port, so clients keep their URL."""
@@ -241,19 +193,7 @@ class VllmServer:
 
     def pids(self) -> list[int]:
         """Every live process of this deployment (the server and the engine workers it spawned)."""
-        proc = self.proc
-        if proc is None:
-            return []
-        import psutil
-
-        out = []
-        for p in psutil.process_iter(["pid"]):
-            try:
-                if os.getpgid(p.pid) == proc.pid and p.status() != psutil.STATUS_ZOMBIE:
-                    out.append(p.pid)
-            except (ProcessLookupError, psutil.Error, OSError):
-                continue
-        return out
+        return process.group_pids(self.proc)
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -287,38 +227,15 @@ class VllmServer:
             if self._log is not None:
                 self._log.close()
                 self._log = None
-            _LIVE.discard(self)
+            process.unregister(self)
 
     def _stop_group(self, proc: subprocess.Popen, grace: float) -> None:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        try:  # the group may outlive its leader: make sure no worker is left
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
+        process.stop_group(proc, grace)
 
     def _stop_watchdog(self) -> None:
         fd, self._watch_fd = self._watch_fd, None
-        if fd is not None:
-            os.close(fd)  # EOF: the watchdog finds the group gone and exits
         wd, self._watchdog = self._watchdog, None
-        if wd is not None:
-            try:
-                wd.wait(3)
-            except subprocess.TimeoutExpired:
-                wd.kill()
-                wd.wait()
+        process.stop_watchdog(wd, fd)
 
     def info(self) -> ServerInfo:
         model, head = self._resolve()
@@ -335,8 +252,7 @@ class VllmServer:
 
 
 def _stop_all(*_: Any) -> None:
-    for server in list(_LIVE):
-        server.stop(grace=5.0)
+    process.stop_all(grace=5.0)  # every owned process: vLLM servers, and agents a drill started
 
 
 def _on_signal(signum, frame):  # noqa: ARG001
@@ -358,7 +274,3 @@ def install_signal_handlers() -> None:
                 signal.signal(sig, _on_signal)
         except (ValueError, OSError):  # not in the main thread
             pass
-
-
-# At import, unlike the signal handlers: an exit hook takes nothing from the host program.
-atexit.register(_stop_all)

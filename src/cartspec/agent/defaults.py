@@ -1,0 +1,68 @@
+"""What ``cartspec serve`` deploys when it is not given a spec: the default deployment and its adaptive form.
+
+``default_spec`` is also what the agent drills and benchmarks start, so that they measure the
+deployment a user gets from ``cartspec serve``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from ..serving.spec import DeploymentSpec, Speculative
+
+# What `serve` drafts with by default: the hybrid (EAGLE-3 head plus prompt lookup, with the pointer
+# where one was trained for the served model). The measurement it rests on is the quick preset's
+# comparison of the head and the hybrid (`cartspec study --preset quick`), in the README's study table
+# and the drafting guide under docs/, each with the machine that ran it.
+DEFAULT_DRAFT = "hybrid"
+DRAFTS = ("eagle3", "hybrid")
+
+Say = Callable[[str], None]
+
+
+def _warn(message: str) -> None:
+    logging.getLogger("cartspec.agent").warning(message)
+
+
+def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: str = "auto",
+                 draft: str = DEFAULT_DRAFT, say: Say = _warn) -> DeploymentSpec:
+    """The deployment ``serve`` runs: the commerce target; the domain head at γ=``gamma`` when the head is
+    there, drafting with ``draft`` (eagle3, or hybrid: the head plus prompt lookup, with the pointer where
+    the bundled one was trained for the served model), otherwise no speculation. ``say``: where a warning
+    goes (no head for this target: served without speculation)."""
+    from ..model.convert import ModelNotFound
+    from ..model.registry import matching_bundled_head, resolve_head, resolve_model
+
+    speculative = Speculative()
+    if head == "auto":  # only a bundled head trained for this target (or for its base)
+        try:
+            head = matching_bundled_head(resolve_model(model)) or "none"
+        except ModelNotFound as exc:
+            say(str(exc))
+            head = "none"
+        if head == "none":
+            say(f"no bundled head was trained for {model}: serving without speculation "
+                "(train one: cartspec draft train --target MODEL --prompts FILE.jsonl)")
+    if head != "none":
+        resolve_head(head)
+        rule = None
+        if draft == "hybrid":  # with the pointer where one was trained for this model
+            from ..model.registry import matching_bundled_pointer
+
+            rule = "pointer" if matching_bundled_pointer(resolve_model(model)) else None
+        speculative = Speculative(method=draft, model=head, num_speculative_tokens=gamma, hybrid_rule=rule)
+    # Per-request timing metrics give the trace vLLM's own queue time and TTFT.
+    return DeploymentSpec(model=model, speculative=speculative, enforce_eager=enforce_eager, dtype=dtype,
+                          engine_args=["--enable-per-request-metrics"])
+
+
+def adaptive_request(spec: DeploymentSpec) -> DeploymentSpec:
+    """``spec`` asking for a γ-per-batch-size schedule instead of its fixed γ: what a tuner fills in
+    (``bench.adaptive.serving_schedule`` in ``cartspec serve --adaptive``). The schedule is the head's own,
+    so only an EAGLE-3 head drafting alone can take one."""
+    sp = spec.speculative
+    if sp.method != "eagle3":
+        raise ValueError("--adaptive needs an EAGLE-3 head (--head) drafting alone (--draft eagle3)")
+    return spec.model_copy(update={"speculative": sp.model_copy(update={"adaptive": True,
+                                                                       "num_speculative_tokens": None})})
