@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from synthetic_sweep import StepCosts, point, sweep, write_run
+from synthetic_sweep import CPU_LIKE, StepCosts, point, sweep, write_run
 from typer.testing import CliRunner
 
 from cartspec.analysis.tune import TuneResult, merge_schedule, tune_json_path, tune_schedule
@@ -261,3 +261,106 @@ def test_cartspec_tune_pools_the_runs_it_is_given(tmp_path):
     assert DeploymentSpec.load(b / "tuned.yaml").speculative.schedule == [(1, 4, 3), (5, 64, 0)]
     res = CliRunner().invoke(app, ["tune", "--run", str(a), "--run", str(tmp_path / "nothing")])
     assert res.exit_code == 2 and "no results.jsonl in" in res.output
+
+
+# --- too few points for the cost model: the measured loads decide ---------------------------------------
+
+def _quick_like(jitter=(1.0, 1.02, 0.98, 1.01), jitter_at=None, rounds=True, costs=CPU_LIKE, extra=(), scale=None):
+    """What the quick preset measures: the baseline, n-gram, the head at γ=3 and the hybrid (no per-position
+    counters) at 1 and 8 streams, T=0, in rounds beside each other: four points the cost model can read.
+    Each slice of a drafter is its point's ratio over the baseline times ``jitter`` (``jitter_at``: per load,
+    or per (load, γ)). ``extra``: more (method, γ) deployments; ``scale``: (load, γ) -> a factor on that
+    point's throughput."""
+    from cartspec.results import PointSlice
+
+    out = []
+    for m, g in (("none", 0), ("ngram", 3), ("eagle3", 3), ("hybrid", 3), *extra):
+        for c in (1, 8):
+            r = point(costs, "eagle3" if m == "hybrid" else m, g, c, 0.0, accept=LONG_ACCEPT)
+            if (c, g) in (scale or {}):
+                r = r.model_copy(update={"output_throughput": r.output_throughput * scale[(c, g)]})
+            if m == "hybrid":  # the head's drafts with a lookup: same head, another drafter
+                cfg = r.config.model_copy(update={"method": "hybrid", "deployment": "hybrid-domain-g3"})
+                r = r.model_copy(update={"acceptance": None, "config": cfg, "key": cfg.key,
+                                         "output_throughput": r.output_throughput * 0.5})
+            out.append(r)
+    base = {r.config.concurrency: r for r in out if r.config.method == "none"}
+    if not rounds:
+        return out
+    rounded = []
+    for r in out:
+        c = r.config.concurrency
+        ratio = r.output_throughput / base[c].output_throughput
+        js = (jitter_at or {}).get((c, r.config.gamma), (jitter_at or {}).get(c, jitter))
+        slices = [PointSlice(wall_s=1.0, n_requests=2, output_tokens=round(1000 * (ratio * j if r is not base[c] else 1)))
+                  for j in js]
+        rounded.append(r.model_copy(update={"slices": slices,
+                                            "beside": ["baseline"] if r is not base[c] else [r.config.deployment]}))
+    return rounded
+
+
+def test_a_four_point_run_is_tuned_from_its_measured_loads():
+    """The quick preset's run: too few points to fit the cost model, so each measured load decides by its own
+    interval. The head pays at 1 and 8 streams with intervals above 1: γ=3 up to 8, plain decoding above
+    (nothing measured there), and the result says it was decided without the model."""
+    results = _quick_like()
+    with pytest.raises(ValueError, match="five points or more"):
+        tune_schedule(results)
+    res = tune_schedule(results, fallback=True)
+    assert res.basis == "measured" and res.cost_model is None and res.method == "eagle3"
+    assert res.schedule == [(1, 8, 3), (9, 64, 0)] and res.gammas == [0, 3]
+    by = {c.batch: c for c in res.choices}
+    assert by[1].anchor and by[8].anchor and not by[4].anchor and by[4].load == 8 and by[9].reason == "unmeasured"
+    assert by[1].speedup[3] > by[8].speedup[3] > 1 and by[8].interval[3][0] > 1
+    assert res.notes[0].startswith("decided from the measured points: the cost model cannot be fitted (")
+    assert any("batch sizes above 8" in n and "decode plainly" in n for n in res.notes)
+    # the hybrid drafts with the same head at the same γ, at half the head's speed: not mixed in
+    from cartspec.analysis.tune import measured_speedups
+
+    assert measured_speedups(results, "domain", "eagle3")[(0.0, 8, 3)] == pytest.approx(by[8].speedup[3])
+
+
+def test_a_load_whose_interval_reaches_plain_decoding_decodes_plainly():
+    """At 8 streams the head measured faster, but its paired slices disagree (an interval reaching below 1):
+    γ=0 from 2 to 8, γ=3 at 1 only. A run not measured in rounds has no interval at all: plain decoding
+    everywhere, and the notes say why."""
+    wide = tune_schedule(_quick_like(jitter_at={8: (1.6, 0.5, 1.5, 0.55)}), fallback=True)
+    assert wide.schedule == [(1, 1, 3), (2, 64, 0)]
+    assert any(n.startswith("load 8: γ=3 measured") and "95% interval reaches" in n for n in wide.notes)
+    slower = tune_schedule(_quick_like(costs=WINS_SMALL), fallback=True)  # measured slower at 8 streams
+    assert slower.schedule == [(1, 1, 3), (2, 64, 0)] and {c.batch: c for c in slower.choices}[8].speedup[3] < 1
+    alone = tune_schedule(_quick_like(rounds=False), fallback=True)
+    assert alone.schedule == [(1, 64, 0)] and not alone.speculates
+    assert any("with no interval (not measured in rounds" in n for n in alone.notes)
+    assert any("decodes plainly (method none)" in n for n in alone.notes)
+
+
+def test_gamma_decided_from_measured_loads_never_rises_with_load():
+    """γ=5 measured too: at 1 stream its slices disagree (γ=3 wins there), at 8 it is reliably the fastest;
+    γ=5 at 8 is capped at the γ=3 of 1 stream. Without the baseline beside the head, nothing can be decided."""
+    from cartspec.analysis.tune import measured_schedule
+
+    results = _quick_like(extra=(("eagle3", 5),), jitter_at={(1, 5): (1.6, 0.5, 1.5, 0.55)}, scale={(8, 5): 1.1})
+    res = measured_schedule(results)
+    by = {c.batch: c for c in res.choices}
+    assert by[8].speedup[5] > by[8].speedup[3] and by[8].interval[5][0] > 1
+    assert res.schedule == [(1, 8, 3), (9, 64, 0)] and res.gammas == [0, 3, 5]
+    assert "load 8: γ=5 capped at γ=3, the γ of a smaller load (γ never rises with load)" in res.notes
+    with pytest.raises(ValueError, match="measured beside the baseline"):
+        measured_schedule([r for r in results if r.config.method != "none"], head="domain")
+
+
+def test_cartspec_tune_on_a_four_point_run_writes_a_schedule_serve_runs(tmp_path):
+    run = write_run(tmp_path / "quick", _quick_like())
+    res = CliRunner().invoke(app, ["tune", "--run", str(run)])
+    assert res.exit_code == 0, res.output
+    for text in ("decided from the measured points", "1–8", "9–64", "95% ", "measured at 1,8",
+                 "not measured: plain decoding"):
+        assert text in res.output, text
+    spec = DeploymentSpec.load(run / "tuned.yaml")  # what `cartspec serve --spec` and `cartspec export` read
+    assert spec.speculative.method == "eagle3" and spec.speculative.model == "domain"
+    assert spec.speculative.schedule == [(1, 8, 3), (9, 64, 0)] and spec.speculative.num_speculative_tokens == 3
+    assert spec.speculative.vllm_config("/heads/domain")["num_speculative_tokens_per_batch_size"] == [[1, 8, 3],
+                                                                                                      [9, 64, 0]]
+    tuned = TuneResult.load(tune_json_path(run / "tuned.yaml"))
+    assert tuned.basis == "measured" and tuned.cost_model is None and tuned.schedule == [(1, 8, 3), (9, 64, 0)]

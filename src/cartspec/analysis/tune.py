@@ -34,6 +34,15 @@ measured within reach of the model's prediction, anchor the schedule; a batch si
 keeps a γ between theirs. So the model's guess between two measurements cannot overrule both (it did:
 γ=2 predicted at 9-15 capped the γ=3 that 16 streams measured fastest), and a point far off the model
 (a stall of the host) anchors nothing.
+
+Where the points cannot fit the cost model (the ``quick`` preset: the baseline and one γ at two loads),
+``cartspec tune`` decides from the measurements alone (``measured_schedule``): at every load measured, the
+fastest γ whose 95% interval over the baseline (paired slices, measured in rounds) clears ``min_speedup``,
+else plain decoding (γ=0). A batch size between two measured loads takes the decision of the larger one
+(a γ's speedup only falls as the batch grows, so what holds at the larger load holds below it), and batch
+sizes above the largest measured load decode plainly: nothing measured says speculation pays there. A point
+measured alone (no slices beside the baseline) has no interval and supports nothing. The result says which
+way it was decided (``TuneResult.basis``).
 """
 
 from __future__ import annotations
@@ -58,8 +67,10 @@ class BatchChoice(BaseModel):
 
     batch: int
     k: int = Field(..., description="γ chosen; 0: no speculation")
-    reason: Literal["measured", "model"] = Field(
-        ..., description="measured: a point at this concurrency entered the decision; model: predictions only")
+    reason: Literal["measured", "model", "unmeasured"] = Field(
+        ..., description="measured: a point at this concurrency entered the decision (basis measured: the "
+                         "measured load it follows); model: predictions only; unmeasured: above every measured "
+                         "load, with no model to speak for it")
     predicted_throughput: dict[int, float] = Field(
         ..., description="γ -> the model's output tokens/s (mean over temperatures)")
     speedup: dict[int, float] = Field(..., description="γ -> speedup over γ=0 the decision used (mean over T)")
@@ -67,6 +78,11 @@ class BatchChoice(BaseModel):
         ..., description="γ -> measured at every temperature, at none (model), or at some (mixed)")
     anchor: bool = Field(False, description="the chosen γ was measured here, within the model's reach of what it "
                                             "predicts: the batch sizes around it follow it (γ never rises)")
+    interval: dict[int, tuple[float, float]] = Field(
+        default_factory=dict, description="γ -> 95% interval of the measured speedup (each end the mean over T), "
+                                          "where measured in rounds beside the baseline")
+    load: int | None = Field(None, description="basis measured: the measured concurrency whose decision this batch "
+                                               "size takes (the smallest at or above it); None above them all")
 
 
 class TuneResult(FileModel):
@@ -80,7 +96,10 @@ class TuneResult(FileModel):
     min_speedup: float = 1.0
     schedule: Schedule = Field(..., description="[(lo, hi, k), ...] covering 1..max_batch; k=0: off")
     choices: list[BatchChoice]
-    cost_model: CostModel
+    basis: Literal["model", "measured"] = Field(
+        "model", description="model: measured where measured, the cost model elsewhere; measured: the points "
+                             "could not fit the cost model, so the measured loads and their intervals decided")
+    cost_model: CostModel | None = Field(None, description="the fitted step costs (None where basis is measured)")
     notes: list[str] = Field(default_factory=list)
 
     @property
@@ -125,41 +144,49 @@ def as_runs(results: Iterable[PointResult] | Sequence[Sequence[PointResult]]) ->
     return [items]
 
 
-def _head_beside_baseline(results: Iterable[PointResult] | Sequence[Sequence[PointResult]], head: str):
+def _head_beside_baseline(results: Iterable[PointResult] | Sequence[Sequence[PointResult]], head: str,
+                          method: str | None = None):
     """(temperature, concurrency, γ), the head's point and the baseline's at the same load in the same run:
-    closed-loop points with a fixed γ."""
+    closed-loop points with a fixed γ (of ``method`` only, where given: the hybrid drafts with the same head)."""
     for run in as_runs(results):
         base = {_same_load(r): r for r in run if r.config.method == "none" and exclusion(r) is None}
         for r in run:
             c = r.config
             b = base.get(_same_load(r))
-            if c.method in MODEL_DRAFTERS and (c.head or c.method) == head and exclusion(r) is None and b:
+            if (c.method in MODEL_DRAFTERS and (c.head or c.method) == head and exclusion(r) is None and b
+                    and (method is None or c.method == method)):
                 yield (c.temperature, int(c.concurrency), int(c.gamma)), r, b
 
 
 def measured_speedups(results: Iterable[PointResult] | Sequence[Sequence[PointResult]],
-                      head: str) -> dict[tuple[float, int, int], float]:
+                      head: str, method: str | None = None) -> dict[tuple[float, int, int], float]:
     """(temperature, concurrency, γ) -> this head's throughput / the baseline's at the same load (mean over
     request sets and runs), from closed-loop points with a fixed γ."""
     ratios: dict[tuple[float, int, int], list[float]] = {}
-    for key, r, b in _head_beside_baseline(results, head):
+    for key, r, b in _head_beside_baseline(results, head, method):
         if b.output_throughput:
             ratios.setdefault(key, []).append(r.output_throughput / b.output_throughput)
     return {k: float(np.mean(v)) for k, v in ratios.items()}
 
 
-def measured_lows(results: Iterable[PointResult] | Sequence[Sequence[PointResult]],
-                  head: str) -> dict[tuple[float, int, int], float]:
-    """(temperature, concurrency, γ) -> the lower end of the 95% interval of this head's speedup over the
-    baseline, from every pair of slices measured back to back at that load (in rounds, beside each other;
-    several request sets or runs pool their pairs: ``analysis.study.pooled_ratio_ci``); absent elsewhere."""
+def measured_intervals(results: Iterable[PointResult] | Sequence[Sequence[PointResult]], head: str,
+                       method: str | None = None) -> dict[tuple[float, int, int], tuple[float, float]]:
+    """(temperature, concurrency, γ) -> the 95% interval of this head's speedup over the baseline, from every
+    pair of slices measured back to back at that load (in rounds, beside each other; several request sets or
+    runs pool their pairs: ``analysis.study.pooled_ratio_ci``); absent elsewhere."""
     from .study import pooled_ratio_ci
 
     pairs: dict[tuple[float, int, int], list] = {}
-    for key, r, b in _head_beside_baseline(results, head):
+    for key, r, b in _head_beside_baseline(results, head, method):
         pairs.setdefault(key, []).append((r, b))
-    lows = {k: pooled_ratio_ci(v) for k, v in pairs.items()}
-    return {k: ci[0] for k, ci in lows.items() if ci}
+    cis = {k: pooled_ratio_ci(v) for k, v in pairs.items()}
+    return {k: ci for k, ci in cis.items() if ci}
+
+
+def measured_lows(results: Iterable[PointResult] | Sequence[Sequence[PointResult]],
+                  head: str) -> dict[tuple[float, int, int], float]:
+    """(temperature, concurrency, γ) -> the lower end of ``measured_intervals``."""
+    return {k: ci[0] for k, ci in measured_intervals(results, head).items()}
 
 
 def pick_head(obs: list[Observation], head: str | None) -> str:
@@ -181,11 +208,13 @@ def pick_head(obs: list[Observation], head: str | None) -> str:
 
 def tune_schedule(results: Iterable[PointResult] | Sequence[Sequence[PointResult]], head: str | None = None,
                   max_gamma: int = 5, max_batch: int = 64, min_speedup: float = 1.0,
-                  model: CostModel | None = None) -> TuneResult:
+                  model: CostModel | None = None, fallback: bool = False) -> TuneResult:
     """The fastest γ per batch size 1..max_batch for ``head`` (default: the EAGLE-3 head with the most
     points), measured where measured, predicted elsewhere. ``results``: one run's points, or a list of
     several runs' (of one machine): their measurements pool, each point beside its own run's baseline, and
-    the cost model is fitted to all of them. Raises ValueError saying what to measure."""
+    the cost model is fitted to all of them. ``fallback``: where the points cannot fit the cost model,
+    decide from the measured loads and their intervals (``measured_schedule``) instead of raising. Raises
+    ValueError saying what to measure."""
     if max_gamma < 0 or max_batch < 1:
         raise ValueError("max_gamma must be >= 0 and max_batch >= 1")
     runs = [[r for r in run if r.status == "ok"] for run in as_runs(results)]
@@ -193,7 +222,14 @@ def tune_schedule(results: Iterable[PointResult] | Sequence[Sequence[PointResult
     obs = observations(results)
     head = pick_head(obs, head)
     mine = [o for o in obs if o.gamma > 0 and o.head == head]
-    model = model or fit_cost_model(results)
+    if model is None:
+        try:
+            model = fit_cost_model(results)
+        except ValueError as exc:
+            if not fallback:
+                raise
+            return measured_schedule(runs, head=head, max_gamma=max_gamma, max_batch=max_batch,
+                                     min_speedup=min_speedup, why=str(exc))
     method = mine[0].result.config.method
     temps = sorted({o.result.config.temperature for o in mine})
     top = max(o.gamma for o in mine)
@@ -274,6 +310,94 @@ def tune_schedule(results: Iterable[PointResult] | Sequence[Sequence[PointResult
                      "the tuned deployment decodes plainly (method none)")
     return TuneResult(head=head, method=method, temperatures=temps, gammas=gammas, max_batch=max_batch,
                       min_speedup=min_speedup, schedule=schedule, choices=choices, cost_model=model, notes=notes)
+
+
+def _drafter_of(results: Iterable[PointResult], head: str) -> str:
+    """The drafting method a schedule for ``head`` is written for: EAGLE-3 where the head drafted alone (the
+    hybrid drafts with the same head, and a schedule is one drafter's γ per batch size)."""
+    methods = [r.config.method for r in results if r.config.method in MODEL_DRAFTERS
+               and (r.config.head or r.config.method) == head]
+    return "eagle3" if "eagle3" in methods else max(sorted(set(methods)), key=methods.count)
+
+
+def measured_schedule(results: Iterable[PointResult] | Sequence[Sequence[PointResult]], head: str | None = None,
+                      max_gamma: int = 5, max_batch: int = 64, min_speedup: float = 1.0,
+                      why: str = "") -> TuneResult:
+    """γ per batch size from the measured loads alone, for points too few to fit the cost model (module doc):
+    at each load, the fastest γ whose 95% interval over the baseline clears ``min_speedup``, else 0; between
+    loads the larger load's decision, above them all 0, and γ never rises with load. ``why``: why the model
+    could not be fitted, said in the notes. Raises ValueError when no point of the head was measured beside
+    the baseline at its own load."""
+    runs = [[r for r in run if r.status == "ok"] for run in as_runs(results)]
+    flat = [r for run in runs for r in run]
+    head = pick_head(observations(flat), head)
+    method = _drafter_of(flat, head)
+    ratio = {k: v for k, v in measured_speedups(runs, head, method).items() if k[2] <= max_gamma}
+    cis = measured_intervals(runs, head, method)
+    if not ratio:
+        raise ValueError(f"no point of head {head!r} was measured beside the baseline at its own load (same "
+                         f"concurrency, temperature and request set): {CALIBRATE_HINT}")
+    temps = sorted({t for t, _, _ in ratio})
+    loads = sorted({c for _, c, _ in ratio})
+    notes = [f"decided from the measured points: the cost model cannot be fitted ({why})" if why else
+             "decided from the measured points"]
+    if len(runs) > 1:
+        notes.append(f"measurements of {len(runs)} runs pooled, each point beside its own run's baseline")
+    per_load: dict[int, BatchChoice] = {}
+    for c in loads:
+        speedup: dict[int, float] = {}
+        interval: dict[int, tuple[float, float]] = {}
+        for g in sorted({g for _, cc, g in ratio if cc == c}):
+            at = [(t, c, g) for t in temps]
+            if not all(k in ratio for k in at):  # a mean over fewer temperatures would not compare
+                notes.append(f"load {c}: γ={g} was not measured at every temperature ({', '.join(map(str, temps))})"
+                             ": left out")
+                continue
+            speedup[g] = float(np.mean([ratio[k] for k in at]))
+            if all(k in cis for k in at):
+                interval[g] = (float(np.mean([cis[k][0] for k in at])), float(np.mean([cis[k][1] for k in at])))
+        reliable = [g for g in speedup if g in interval and interval[g][0] > min_speedup]
+        k = max(reliable, key=lambda g: (speedup[g], -g)) if reliable else 0
+        for g in sorted(speedup):
+            if g in reliable or speedup[g] <= min_speedup:
+                continue
+            if g in interval:
+                notes.append(f"load {c}: γ={g} measured ×{speedup[g]:.2f}, but its 95% interval reaches "
+                             f"×{interval[g][0]:.2f}: not reliably faster than plain decoding")
+            else:
+                notes.append(f"load {c}: γ={g} measured ×{speedup[g]:.2f} with no interval (not measured in rounds "
+                             "beside the baseline): not reliably faster than plain decoding")
+        per_load[c] = BatchChoice(batch=c, k=k, reason="measured", predicted_throughput={}, speedup=speedup,
+                                  source={g: "measured" for g in speedup}, anchor=True, interval=interval, load=c)
+    cap = None
+    for c in loads:  # γ never rises with load: a larger γ at a larger load is noise (``monotone``)
+        if cap is not None and per_load[c].k > cap:
+            notes.append(f"load {c}: γ={per_load[c].k} capped at γ={cap}, the γ of a smaller load (γ never rises "
+                         "with load)")
+            per_load[c].k = cap
+        cap = per_load[c].k
+    choices = []
+    for b in range(1, max_batch + 1):
+        at = next((c for c in loads if c >= b), None)
+        if at is None:
+            choices.append(BatchChoice(batch=b, k=0, reason="unmeasured", predicted_throughput={}, speedup={},
+                                       source={}))
+        else:
+            choices.append(per_load[at].model_copy(update={"batch": b, "anchor": b == at}))
+    if len(loads) > 1 or loads[0] > 1:
+        notes.append("a batch size between measured loads takes the decision of the next larger one (a γ's "
+                     "speedup falls as the batch grows)")
+    if max_batch > loads[-1]:
+        notes.append(f"batch sizes above {loads[-1]} (the most concurrency measured) decode plainly: no "
+                     "measurement says speculation pays there")
+    schedule = merge_schedule([ch.k for ch in choices])
+    if not any(k for *_, k in schedule):
+        notes.append(f"speculation with head {head!r} was reliably faster than plain decoding at no measured load: "
+                     "the tuned deployment decodes plainly (method none)")
+    gammas = [0] + sorted({g for ch in per_load.values() for g in ch.speedup})
+    return TuneResult(head=head, method=method, temperatures=temps, gammas=gammas, max_batch=max_batch,
+                      min_speedup=min_speedup, schedule=schedule, choices=choices, basis="measured",
+                      cost_model=None, notes=notes)
 
 
 # A measured choice anchors the schedule when its speedup is within this many times the model's
