@@ -64,43 +64,17 @@ others): at the first position where the combined draft differs from the head's,
 from there on if the head's probability of its own token there is at least ``head_p``. A value can start
 with a word of the prompt and go on as an enum the head knows (``"topic": "refund_window"`` where the
 shopper wrote "refund?", ``"delivery": "free_shipping"`` for "free shipping", ``"audience": "kids"`` where
-the pointer picks "children"); there the copy displaced a right head. In the simulator at γ=3
-(``scripts/hybrid_class_losses.py test 200 3 0``), of the 23
-value-not-in-request tokens of the first 200 test-split replies that the head alone had accepted and rule
-``pointer`` without the gate lost, 21 were such a copy. ``head_p`` was chosen on the dev split's greedy
-replies (200, γ=3): 0.9 kept copied values at 80% or more with τ 3.522 (3.530 without the gate; 0.8: 79.9%),
-and lifted values not in the request from 81.2% to 82.5%.
+the pointer picks "children"); there the copy displaced a right head. How ``head_p`` was chosen, with the commands behind
+it: docs/drafting.md, "How the hybrid's defaults were chosen".
 
-The default, ``lookup`` in the prompt with 3–4-token matches, came out best in the
-simulator on the target's greedy replies to the first 200 test-split requests at
-γ=3 (``simulate_hybrid`` over 16 combinations of rule, scope and n-gram sizes):
-τ 3.27 against the head's 3.16; copied values 63% against 48%, keys 93% (92%),
-structure 95% (96%), values not in the request 76% (81%). Searching the reply as
-well (``context``) with 1–2-token matches lets the reply's own JSON override the
-head's structure and keys (τ 2.95–3.15); 2-token matches in the prompt cost a
-point of structure (τ 3.26); ``agree`` keeps fewer copies (55–59%). No rule left
-every class at least where the head alone has it. Our reading (not yet measured
-position by position): where a copied value ends, the prompt goes on with the
-shopper's next word while the reply closes the string, so a lookup still running
-there displaces the head's right structure or enum value. Telling those
-positions apart needs the head's confidence per position, which the runner does
-not see (the drafter returns token ids only): the next step.
-
-Measured position by position (runs/hybrid/s9, same 200 requests, same simulator), the loss is split:
-at a value's end the lookup runs on into the shopper's sentence where the head closes the string
-(structure); at a value's start the lookup copies an earlier turn's value of the same key (``intent``:
-``search`` in a refine turn, most of the lost not-in-request values); and most copied values the lookup
-misses start without the space their word has in the prompt (``"cal`` vs `` cal``), so no n-gram
-matches. ``anchor`` (3–4-token matches, prompt) addresses the three: at γ=3 τ 3.41 (head 3.16,
-``lookup`` 3.27), structure 96.8% (95.9%), keys 93.7% (92.2%), copied 67.9% (48.2%), not in the
-request 79.7% (81.4%), free text 96.5% (94.0%); at γ=5 τ 4.44 (head 4.09, ``lookup`` 4.39), copied
-64.4% (46.9%), not in the request 74.5% (79.8%): with 5 positions the lookup from ``{"`` reaches an
-earlier turn's ``intent`` value beyond the first position, which (3) does not guard. On the novel set
-(100 requests, words the model never saw) at γ=3: τ 3.23 (head 2.79, ``lookup`` 2.93), copied 62.6%
-(28.8%), not in the request 70.4% (69.3%), structure 96.3% (95.6%), keys 95.6% (93.7%). It falls
-short of copied ≥ 80% and leaves not-in-request values 1.7 points (γ=3) under the head alone: the rest
-of the copied misses are a value's first token, which the head drafts wrong (``ten`` for ``jack``) and
-which no lookup can pick out of the prompt's words without the head's ranking. Not yet measured in vLLM.
+``HybridConfig``'s defaults, rule ``lookup`` in the prompt with 3–4-token matches, are the combination
+that came out best in the simulator's first search; ``serve`` and the examples use rule ``pointer``.
+Which rule drafts what, measured in vLLM and in the simulator with the commands that rerun it:
+docs/drafting.md ("Hybrid drafts"). How the rules were found (the lookup's scope and n-gram sizes, then
+``anchor``, ``text`` and ``pointer``, each answering where the one before lost a token class): the
+simulator search in docs/experiments.md ("The hybrid's rule search in the simulator" and the hybrid
+sections before it). The hybrid has been measured in vLLM since rule ``anchor``; its throughput beside
+the head alone is in the README's study table and docs/drafting.md.
 
 Where it plugs into vLLM 0.32 (as installed)
 --------------------------------------------
@@ -580,9 +554,9 @@ def record_hidden(drafter) -> list | None:
     tokens are chosen otherwise (probabilistic drafts) records nothing, so no gate applies there.
 
     Why hidden states and not probabilities: a softmax over the full vocabulary for every request and
-    position costs more than the drafting it judges (on 2 CPU cores, bf16, 16 requests: 6.3 ms against the
-    argmax's 1.5 ms, per position, AVX-512-bf16 EPYC: ``benchmarks/gate_softmax_cost.py``), while the gate
-    needs one probability per request that has a copy, at most; ``head_probs`` computes just those."""
+    position costs more than the drafting it judges (``benchmarks/gate_softmax_cost.py``; the figures and
+    the machine: docs/drafting.md, "How the hybrid's defaults were chosen"), while the gate needs one
+    probability per request that has a copy, at most; ``head_probs`` computes just those."""
     if drafter is None or not hasattr(drafter, "_greedy_sample") or not hasattr(drafter, "model"):
         return None
     hidden = getattr(drafter, "_cartspec_hidden", None)

@@ -12,10 +12,8 @@ follow on a CPU:
   the noise is drawn and never read;
 * with drafts, a batch of 32 seeded requests pays that twice per step.
 
-Measured side by side on a 2-core AVX2 EPYC (``benchmarks/sampled_noise_ab.py``: in-process vLLM, the
-commerce model and domain head, 88 seeded T = 0.5 requests 32 at a time): a schedule at γ = 0 ran 127.2
-tok/s with vLLM's function and 166.5 with this one, plain decoding 168.3; EAGLE-3 at γ = 3 138.0 and
-162.5.
+Both costs, measured side by side with vLLM's function and this one (``benchmarks/sampled_noise_ab.py``),
+with the machine that ran it: docs/machine-notes.md, "vLLM on CPU: what cartspec works around".
 
 ``patch_module`` replaces ``sample_recovered_tokens`` in
 ``vllm.v1.sample.rejection_sampler`` (CPU only, not with fp64 Gumbel noise):

@@ -9,9 +9,9 @@ the float input and the float output to int64 *copies*: the C++ kernel writes
 into a temporary and the real output keeps whatever ``new_empty`` left in it.
 The target's logits are then divided by garbage (1e-8 ... 1e35), so the target
 distribution used for verification is either flat (every draft rejected, the
-"recovered" token is uniform noise) or one-hot. At T = 0.5 this gave ~1 %
-acceptance and replies that ran to the token limit (study ``paper`` preset,
-session 1). Greedy requests never reach this kernel, which is why T = 0 is fine.
+"recovered" token is uniform noise) or one-hot: at T = 0.5 nearly every draft
+was rejected and replies ran to the token limit (docs/machine-notes.md). Greedy
+requests never reach this kernel, which is why T = 0 is fine.
 
 Upstream: vllm-project/vllm#55005 (top_k and top_p go through the same kernel),
 fix proposed in vllm-project/vllm#55006. Drop this module once the pinned vLLM has it
