@@ -157,3 +157,51 @@ def confident_target(arch: str, out: Path, tokenizer_dir: Path) -> Path:
     model.to(torch.bfloat16).save_pretrained(out)
     AutoTokenizer.from_pretrained(raw).save_pretrained(out)
     return out
+
+
+# --- a browser for the report's test ---------------------------------------------------------------
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
+
+
+def find_chromium() -> str | None:
+    return next((shutil.which(n) for n in BROWSERS if shutil.which(n)), None)
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def _install_chromium() -> str:
+    """Debian's ``chromium`` with the ordinary package client, where this session can (root, apt-get): ""
+    when it went in, else why not. Serialised by a lock file: parallel sessions on one host share dpkg's."""
+    import subprocess
+
+    if not shutil.which("apt-get"):
+        return "no apt-get on this machine"
+    if os.geteuid() != 0:
+        return "not root: install it with `sudo apt-get install -y chromium`"
+    cmd = "apt-get update -qq && apt-get install -y -qq chromium"
+    if shutil.which("flock"):
+        cmd = f"flock /tmp/cartspec-apt.lock sh -c '{cmd}'"
+    try:
+        done = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+    except subprocess.TimeoutExpired:
+        return f"`{cmd}` ran past 15 minutes"
+    if done.returncode != 0:
+        return f"`{cmd}` failed ({done.returncode}): {(done.stderr or done.stdout).strip()[-400:]}"
+    return ""
+
+
+@pytest.fixture(scope="session")
+def chromium_or_why() -> tuple[str | None, str]:
+    """(the headless browser's path, "") or (None, why there is none). A machine without one gets Debian's
+    ``chromium`` installed once per session where it can, so the report's browser test runs in CI instead of
+    being skipped there."""
+    path = find_chromium()
+    if path:
+        return path, ""
+    why = _install_chromium()
+    path = find_chromium()
+    return (path, "") if path else (None, why or "apt-get installed chromium, but no chromium is on PATH")
