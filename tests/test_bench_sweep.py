@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from cartspec.results import DeploymentInfo, load_results, results_path
-from cartspec.bench.sweep import SilentReporter, SweepPlan, parse_deployment, preset, run_sweep
+from cartspec.bench.reporter import SilentReporter
+from cartspec.bench.sweep import SweepPlan, parse_deployment, preset, run_sweep
 from cartspec.testing.trivial_server import FakeConfig, TrivialServer
 from cartspec.report.build import build_report
 
@@ -320,7 +321,7 @@ def test_reply_scoring_returns_scores_and_leaves_the_records_alone():
     """A point's replies are scored into a list beside the records; the records the results hold are copies
     carrying task and exact, and the records the load generator returned are unchanged."""
     from cartspec.bench.loadgen import chat_requests
-    from cartspec.bench.sweep import reply_quality, score_replies, with_scores
+    from cartspec.bench.scoring import reply_quality, score_replies, with_scores
     from cartspec.results import RequestRecord
     from cartspec.task.data import Request
 
@@ -390,7 +391,7 @@ def test_interleaved_sweep_restarts_a_dead_server_once_and_the_others_go_on(tmp_
 
 
 def test_interleaved_sweep_starts_no_server_the_memory_left_cannot_hold(tmp_path, monkeypatch):
-    from cartspec.bench import sweep as sweep_mod
+    from cartspec.bench import grouping
 
     free = [10.0]  # GiB; every start takes 4, every stop gives it back
 
@@ -401,7 +402,7 @@ def test_interleaved_sweep_starts_no_server_the_memory_left_cannot_hold(tmp_path
             yield dep
         free[0] += 4
 
-    monkeypatch.setattr(sweep_mod, "_available_gib", lambda: free[0])
+    monkeypatch.setattr(grouping, "available_gib", lambda: free[0])
     p = plan("baseline", "ngram:3", "ngram:5", "ngram:7", interleave=4)
     results = run_sweep(p, tmp_path / "run", launcher=launch)
     assert all(r.status == "ok" for r in results) and len(results) == 8

@@ -6,7 +6,6 @@ is instant and a missing engine is reported by the command that needs it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
