@@ -64,3 +64,26 @@ def test_draft_acceptance_server_options_reach_the_measurement(tmp_path, monkeyp
     assert (seen["server"], seen["served_name"], seen["api_key"], seen["n"]) == ("http://127.0.0.1:9", "m", "sekret", 2)
     written = out.read_text()
     assert json.loads(written)["server_api_key_env"] == "CARTSPEC_TEST_KEY" and "sekret" not in written
+
+
+def test_study_builds_the_report_once_and_ends_with_its_path(tmp_path, monkeypatch):
+    """``cartspec study`` after its sweep: the quality step writes quality.json only, the command builds the
+    report, once, and its last lines name the report and the summary (the sweep itself stubbed: the stored
+    run is already measured)."""
+    import shutil
+    from pathlib import Path
+
+    import cartspec.bench.sweep as sweep
+    import cartspec.report.build as build
+
+    run = tmp_path / "run"
+    shutil.copytree(Path(__file__).parent / "data" / "study_v1", run)
+    monkeypatch.setattr(sweep, "run_sweep", lambda plan, out, **kw: [])
+    built = []
+    real = build.build_report
+    monkeypatch.setattr(build, "build_report", lambda *a, **kw: built.append(a) or real(*a, **kw))
+    r = runner.invoke(app, ["study", "--out", str(run), "--deployments", "baseline"])
+    assert r.exit_code == 0, r.output
+    assert len(built) == 1
+    tail = r.output.strip().splitlines()[-2:]
+    assert tail == [f"report: {run / 'report.html'}", f"summary: {run / 'summary.json'}"]
