@@ -256,7 +256,8 @@ class RequestRecord(BaseModel):
         return (self.e2el - self.ttft) / (self.output_tokens - 1)
 
 
-def _pct(values: Iterable[float | None], q: float) -> float | None:
+def percentile(values: Iterable[float | None], q: float) -> float | None:
+    """The ``q``-th percentile (0..100, linear between samples) of the values that are not None; None for none."""
     arr = [v for v in values if v is not None]
     return float(np.percentile(arr, q)) if arr else None
 
@@ -352,11 +353,11 @@ class PointResult(BaseModel):
             request_throughput=len(ok) / wall_s if wall_s > 0 else None,
             goodput=good / wall_s if wall_s > 0 else None,
             slo_attainment=good / len(records) if records else None,
-            ttft_p50=_pct((r.ttft for r in ok), 50), ttft_p99=_pct((r.ttft for r in ok), 99),
-            tpot_p50=_pct((r.tpot for r in ok), 50), tpot_p99=_pct((r.tpot for r in ok), 99),
-            itl_p50=_pct(itls, 50), itl_p99=_pct(itls, 99),
-            e2el_p50=_pct((r.e2el for r in ok), 50), e2el_p90=_pct((r.e2el for r in ok), 90),
-            e2el_p99=_pct((r.e2el for r in ok), 99), e2el_mean=_mean(r.e2el for r in ok),
+            ttft_p50=percentile((r.ttft for r in ok), 50), ttft_p99=percentile((r.ttft for r in ok), 99),
+            tpot_p50=percentile((r.tpot for r in ok), 50), tpot_p99=percentile((r.tpot for r in ok), 99),
+            itl_p50=percentile(itls, 50), itl_p99=percentile(itls, 99),
+            e2el_p50=percentile((r.e2el for r in ok), 50), e2el_p90=percentile((r.e2el for r in ok), 90),
+            e2el_p99=percentile((r.e2el for r in ok), 99), e2el_mean=_mean(r.e2el for r in ok),
             acceptance=acceptance, records=records, **kw)
 
 
@@ -450,3 +451,26 @@ def load_results(run_dir: str | Path) -> list[PointResult]:
 def finished_keys(run_dir: str | Path) -> set[str]:
     """Points a rerun skips: those measured successfully. Failed points are retried."""
     return {r.key for r in load_results(run_dir) if r.status == "ok"}
+
+
+# --- a point beside its baseline -------------------------------------------------------------------------
+
+
+def comparison_key(config: PointConfig) -> tuple:
+    """What a point shares with the baseline it is compared with: the same requests (set and samples per
+    request), load, temperature and decoding settings. The speedups, the agreement and the quality tests
+    all pair points by this key."""
+    c = config
+    return (c.request_set, c.mode, c.concurrency, c.rate, c.temperature, c.max_tokens, c.structured, c.samples)
+
+
+def baselines(results: Iterable[PointResult]) -> dict[tuple, PointResult]:
+    """``comparison_key`` -> the baseline (no speculation) measured successfully there."""
+    return {comparison_key(r.config): r for r in results if r.status == "ok" and r.config.method == "none"}
+
+
+def matched_records(baseline: PointResult, point: PointResult) -> list[tuple[RequestRecord, RequestRecord]]:
+    """(baseline's, point's) replies to the same request and sample, both answered, in the point's order."""
+    theirs = {(x.id, x.sample): x for x in baseline.records if x.ok and x.text is not None}
+    return [(theirs[(x.id, x.sample)], x) for x in point.records
+            if x.ok and x.text is not None and (x.id, x.sample) in theirs]

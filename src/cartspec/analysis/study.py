@@ -17,7 +17,8 @@ from typing import Annotated, Any, Iterable, Literal, Sequence
 from pydantic import BaseModel, Field
 
 from ..quality.models import JudgeCalibration, QualityEntry, QualityReport
-from ..results import Invocation, Machine, PointResult, RunManifest, load_label, load_results, load_value
+from ..results import (Invocation, Machine, PointResult, RunManifest, baselines, comparison_key, load_label,
+                       load_results, load_value, matched_records)
 from ..serving.spec import schedule_gamma
 from .classes import ClassAcceptance
 from .cost_model import PointPrediction, StepCosts
@@ -282,20 +283,13 @@ class StudyAnalysis(BaseModel):
 # --- rows ---------------------------------------------------------------------------------------------
 
 
-def _group_key(r: PointResult) -> tuple:
-    c = r.config
-    return (c.request_set, c.mode, c.concurrency, c.rate, c.temperature, c.max_tokens, c.structured)
-
-
 def baseline_agreement(r: PointResult, b: PointResult) -> float | None:
     """At T = 0: the share of requests (by id, answered by both) whose reply is character-for-character
     the baseline's. Speculative decoding must not change greedy output; batch-shape numerics may, rarely."""
     if r.config.temperature != 0 or b.config.temperature != 0:
         return None
-    theirs = {(x.id, x.sample): x.text for x in b.records if x.ok and x.text is not None}
-    pairs = [(x.text, theirs[(x.id, x.sample)]) for x in r.records
-             if x.ok and x.text is not None and (x.id, x.sample) in theirs]
-    return sum(a == t for a, t in pairs) / len(pairs) if pairs else None
+    pairs = matched_records(b, r)
+    return sum(x.text == y.text for x, y in pairs) / len(pairs) if pairs else None
 
 
 # Student's t two-sided 95% quantiles for 1..10 degrees of freedom (beyond: 1.96 + 2.4 / df, within 1%).
@@ -333,12 +327,12 @@ def pooled_ratio_ci(pairs: Sequence[tuple[PointResult, PointResult]]) -> tuple[f
 
 def study_rows(results: list[PointResult]) -> list[StudyRow]:
     """One row per point, with the speedup over the baseline at the same load and temperature."""
-    base = {_group_key(r): r for r in results if r.status == "ok" and r.config.method == "none"}
+    base = baselines(results)
     rows = []
     for r in sorted(results, key=lambda r: (r.config.deployment, r.config.request_set, r.config.temperature,
                                             r.config.load_value)):
         c = r.config
-        b = base.get(_group_key(r))
+        b = base.get(comparison_key(c))
         ok = r.status == "ok"
         speedup = (r.output_throughput / b.output_throughput
                    if ok and b and b.output_throughput and r.output_throughput is not None else None)
@@ -369,18 +363,15 @@ def quality_tests(results: list[PointResult]) -> list[QualityTest]:
     Uses the scores each record got when it was measured (results from before they were kept: skipped)."""
     from ..quality.agreement import compare_scored
 
-    ok = [r for r in results if r.status == "ok"]
-    base = {_group_key(r): r for r in ok if r.config.method == "none"}
+    base = baselines(results)
     pairs: dict[tuple, list[tuple]] = {}
-    for r in ok:
-        b = base.get(_group_key(r))
-        if r.config.method == "none" or b is None:
+    for r in results:
+        b = base.get(comparison_key(r.config))
+        if r.status != "ok" or r.config.method == "none" or b is None:
             continue
-        theirs = {(x.id, x.sample): x for x in b.records if x.ok and x.text is not None and x.exact is not None}
         key = (r.config.deployment, r.config.temperature, r.config.request_set)
-        pairs.setdefault(key, []).extend(
-            (x.task or "search", theirs[(x.id, x.sample)], x) for x in r.records
-            if x.ok and x.text is not None and x.exact is not None and (x.id, x.sample) in theirs)
+        pairs.setdefault(key, []).extend((x.task or "search", y, x) for y, x in matched_records(b, r)
+                                         if x.exact is not None and y.exact is not None)
     out = []
     for (dep, temp, rs), ps in sorted(pairs.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
         if not ps:

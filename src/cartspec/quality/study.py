@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..results import PointResult, load_results, now_iso
+from ..results import PointResult, baselines, comparison_key, load_results, matched_records, now_iso
 from ..task.request_sets import load_request_set
 from .models import QUALITY_FILE, Pair, QualityEntry, QualityReport
 from .paired import METRICS, field_deltas, metric_values, paired_test
@@ -27,11 +27,6 @@ class QualityError(ValueError):
 
 
 # --- pairing ---------------------------------------------------------------------------
-
-
-def _group_key(r: PointResult) -> tuple:
-    c = r.config
-    return (c.request_set, c.mode, c.concurrency, c.rate, c.temperature, c.max_tokens, c.structured, c.samples)
 
 
 def gold_requests(results: Iterable[PointResult]) -> dict[tuple[str, str], Any]:
@@ -54,21 +49,16 @@ def gold_requests(results: Iterable[PointResult]) -> dict[tuple[str, str], Any]:
 
 def collect_pairs(results: list[PointResult]) -> dict[tuple[str, float, str], list[Pair]]:
     """(deployment, temperature, request set) -> its pairs with the baseline, over every load."""
-    ok = [r for r in results if r.status == "ok"]
-    base = {_group_key(r): r for r in ok if r.config.method == "none"}
+    base = baselines(results)
     out: dict[tuple[str, float, str], list[Pair]] = {}
-    for r in ok:
-        if r.config.method == "none":
+    for r in results:
+        b = base.get(comparison_key(r.config))
+        if r.status != "ok" or r.config.method == "none" or b is None:
             continue
-        b = base.get(_group_key(r))
-        if b is None:
-            continue
-        theirs = {(x.id, x.sample): x.text for x in b.records if x.ok and x.text is not None}
         key = (r.config.deployment, r.config.temperature, r.config.request_set)
         out.setdefault(key, []).extend(
-            Pair(request_id=x.id, sample=x.sample, load=r.config.load, baseline=theirs[(x.id, x.sample)],
-                 candidate=x.text)
-            for x in r.records if x.ok and x.text is not None and (x.id, x.sample) in theirs)
+            Pair(request_id=x.id, sample=x.sample, load=r.config.load, baseline=y.text, candidate=x.text)
+            for y, x in matched_records(b, r))
     return out
 
 
