@@ -3,8 +3,9 @@
 One deployment of the commerce model (started here, or --url), the agent in front
 (``cartspec serve --upstream URL --admission-max-wait S``, its own process, cache on as in
 production), and --clients closed-loop clients (64) for --duration seconds (60). Refused clients
-honour Retry-After. Without admission the same load was measured at p50 7.8 s for fresh answers
-against a 2 s SLO; with it, the admitted requests should meet the SLO and the rest get a fast 503.
+honour Retry-After. Without admission the fresh answers' p50 of this load is far over the --slo
+(docs/serving.md, "Two deployments, acceptance fallback, admission control", and the drills' section of
+docs/experiments.md); with it, the admitted requests should meet the SLO and the rest get a fast 503.
 
 Printed and written to --out/summary.json, per mode (``--compare`` runs admission off first, on a
 second agent, against the same deployment): p50/p95/p99 latency of admitted fresh answers (cache
@@ -27,13 +28,15 @@ from pathlib import Path
 
 import httpx
 
-from agent_drill_lib import ClosedLoop, log, percentile, start_agent, stop_agent, write_jsonl
-from cartspec.agent.cli import default_spec
+from agent_drill_lib import AgentLoad, Mix, log, write_jsonl
 from cartspec.agent.config import AdmissionConfig, AgentConfig
+from cartspec.agent.defaults import default_spec
+from cartspec.agent.process import AgentProcess
+from cartspec.results import percentile
 from cartspec.serving.server import VllmServer, free_port, install_signal_handlers
 
 
-async def load_for(load: ClosedLoop, seconds: float) -> None:
+async def load_for(load: AgentLoad, seconds: float) -> None:
     stop = asyncio.Event()
     task = asyncio.create_task(load.run(stop))
     await asyncio.sleep(seconds)
@@ -70,7 +73,7 @@ def summarise(records: list[dict], slo_s: float, warmup_s: float, duration_s: fl
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", help="a running OpenAI-compatible server (start none)")
     ap.add_argument("--label", default="external", help="what runs on --url")
@@ -89,7 +92,11 @@ def main() -> None:
     ap.add_argument("--compare", action="store_true", help="first the same load with admission off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs/agent-admission-drill"))
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The drill; its summary (also in OUT/summary.json), whose ``checks`` say what held."""
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
 
@@ -109,18 +116,18 @@ def main() -> None:
                 (out / stale).unlink(missing_ok=True)
             cfg = AgentConfig(trace_path=out / f"trace-{mode}.jsonl", upstream_timeout_s=60, request_timeout_s=120,
                               admission=AdmissionConfig(enabled=mode == "admission", max_wait_s=args.max_wait))
-            agent, base = start_agent(cfg, ["--upstream", url, "--label", label, "--served-name", name], out,
-                                      name=f"agent-{mode}")
-            try:
-                load = ClosedLoop(base, args.clients, seed=args.seed, hot_share=args.hot_share,
-                                  retry_cap_s=args.retry_cap)
+            agent = AgentProcess(cfg, ["--upstream", url, "--label", label, "--served-name", name], out,
+                                 name=f"agent-{mode}")
+            log(f"agent-{mode}: " + " ".join(agent.command()))
+            with agent:
+                load = AgentLoad(agent.url, args.clients, Mix(args.seed, hot_share=args.hot_share),
+                                 retry_cap_s=args.retry_cap, seed=args.seed)
                 log(f"{mode}: {args.clients} clients for {args.duration:.0f}s")
                 asyncio.run(load_for(load, args.duration))
-                (out / f"metrics-{mode}.txt").write_text(httpx.get(base + "/metrics", timeout=10).text)
-            finally:
-                stop_agent(agent)
-            write_jsonl(out / f"requests-{mode}.jsonl", load.records)
-            report["modes"][mode] = summarise(load.records, args.slo, args.warmup_s, args.duration)
+                (out / f"metrics-{mode}.txt").write_text(httpx.get(agent.url + "/metrics", timeout=10).text)
+            rows = load.rows()
+            write_jsonl(out / f"requests-{mode}.jsonl", rows)
+            report["modes"][mode] = summarise(rows, args.slo, args.warmup_s, args.duration)
             log(f"{mode}: " + json.dumps(report["modes"][mode]["fresh_answers"]))
         adm = report["modes"]["admission"]
         report["checks"] = {
@@ -132,12 +139,16 @@ def main() -> None:
         report["passed"] = all(report["checks"].values())
         (out / "summary.json").write_text(json.dumps(report, indent=2))
         print(json.dumps({k: v for k, v in report.items() if k != "deployment"}, indent=2))
-        sys.exit(0 if report["passed"] else 1)
+        return report
     finally:
         if server is not None:
             server.stop()
 
 
+def main() -> None:
+    sys.exit(0 if run(parse_args())["passed"] else 1)
+
+
 if __name__ == "__main__":
-    install_signal_handlers()  # killed (SIGTERM/SIGHUP), it still stops the vLLM servers it started
+    install_signal_handlers()  # killed (SIGTERM/SIGHUP), it still stops the vLLM servers and the agent it started
     main()

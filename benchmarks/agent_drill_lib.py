@@ -1,72 +1,49 @@
-"""What the agent drills share: the agent in its own process (``cartspec serve``, as in production)
-and a closed-loop load that keeps what every reply said.
+"""What the agent drills share: the request mix, and a closed-loop load against the agent that keeps what
+every reply said (status, cache, route, deployment, Retry-After, error).
 
-The request mix is the fault drill's (``agent_fault_drill.Load.pick``: test-split search and support
-requests, a share of hot repeats); only valid requests are sent here. Run a drill from the repository
-root (``python benchmarks/agent_...py``): this directory is then on ``sys.path``.
+The agent itself runs as in production, ``cartspec serve`` in its own process, owned by
+``cartspec.agent.process.AgentProcess``; the load is the study's closed loop
+(``cartspec.bench.loadgen.closed_loop``) with a sender that speaks the agent's API. Run a drill from the
+repository root (``python benchmarks/agent_...py``): this directory is then on ``sys.path``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
-import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from agent_fault_drill import Load, log
-from cartspec.agent.config import AgentConfig
-from cartspec.serving.server import free_port
+from cartspec.bench.loadgen import closed_loop
+from cartspec.task.data import MAX_QUERY_CHARS
 
-__all__ = ["ClosedLoop", "log", "percentile", "start_agent", "stop_agent", "write_jsonl"]
+__all__ = ["AgentLoad", "AgentReply", "Mix", "log", "write_jsonl"]
 
+HOT = ["red running shoes", "where is my order?", "wireless headphones under $100", "how do I return an item?",
+       "black hoodie size m", "what payment methods do you take?"]
 
-def start_agent(cfg: AgentConfig, serve_args: list[str], out: Path, name: str = "agent",
-                timeout_s: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """``cartspec serve --config OUT/NAME.yaml SERVE_ARGS`` on a free port; returns it and its base URL once ready."""
-    cfg = cfg.model_copy(update={"port": free_port()})
-    cfg.save(out / f"{name}.yaml")
-    cmd = [sys.executable, "-m", "cartspec.cli", "serve", "--config", str(out / f"{name}.yaml"), *serve_args]
-    log(f"{name}: " + " ".join(cmd))
-    proc = subprocess.Popen(cmd, stdout=(out / f"{name}.log").open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    base = f"http://127.0.0.1:{cfg.port}"
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited: " + (out / f"{name}.log").read_text()[-2000:])
-        time.sleep(0.3)
-    stop_agent(proc)
-    raise RuntimeError(f"{name} did not become ready")
+# Requests the agent must refuse with a 4xx: (how the body is sent, the body).
+INVALID = {
+    "empty_query": lambda: ("json", {"query": ""}),
+    "blank_query": lambda: ("json", {"query": "   "}),
+    "oversized_query": lambda: ("json", {"query": "shoes " * (MAX_QUERY_CHARS // 5 + 10)}),
+    "missing_query": lambda: ("json", {"history": []}),
+    "history_not_list": lambda: ("json", {"query": "cheaper", "history": "earlier: red shoes"}),
+    "history_bad_role": lambda: ("json", {"query": "cheaper", "history": [{"role": "system", "content": "x"}]}),
+    "history_too_long": lambda: ("json", {"query": "cheaper", "history": [{"role": "user", "content": "a"}] * 20}),
+    "wrong_content_type": lambda: ("text", "query=red shoes"),
+    "malformed_json": lambda: ("raw", '{"query": "red shoes"'),
+    "query_not_string": lambda: ("json", {"query": ["red", "shoes"]}),
+}
 
 
-def stop_agent(proc: subprocess.Popen | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no samples."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, max(0, int(round(q / 100 * len(xs))) - 1))], 3)
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -75,59 +52,131 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             fh.write(json.dumps(r) + "\n")
 
 
-class ClosedLoop:
-    """``clients`` concurrent clients, each sending its next request as soon as the last is answered.
+@dataclass(frozen=True)
+class Item:
+    """One request of the mix: where it goes, how its body is sent, and what kind it is."""
 
-    A 503 with ``Retry-After`` is honoured, as a well-behaved client does (capped at ``retry_cap_s``,
-    with up to 20% jitter so refused clients do not all come back in the same instant).
-    """
+    endpoint: str  # search | support
+    kind: str  # search | support | hot | an INVALID kind
+    valid: bool
+    how: str  # json | text (text/plain) | raw (a body that is not JSON, sent as JSON)
+    body: Any
 
-    def __init__(self, base: str, clients: int, seed: int = 0, hot_share: float = 0.0, retry_cap_s: float = 5.0):
-        self.base, self.clients, self.retry_cap_s = base, clients, retry_cap_s
-        self.mix = Load(base, clients, seed, invalid_share=0.0, hot_share=hot_share)
+
+class Mix:
+    """Test-split search and support requests, a ``hot_share`` of frequent repeats (cache hits, as real traffic
+    has) and an ``invalid_share`` of requests the agent must refuse, drawn with ``seed``."""
+
+    def __init__(self, seed: int = 0, invalid_share: float = 0.0, hot_share: float = 0.0):
+        from cartspec.task.generator import generate
+
+        self.rng = random.Random(seed)
+        self.invalid_share, self.hot_share = invalid_share, hot_share
+        self.pool = generate("test", 400, seed)
+
+    def pick(self) -> Item:
+        r = self.rng.random()
+        if r < self.invalid_share:
+            kind = self.rng.choice(list(INVALID))
+            how, body = INVALID[kind]()
+            return Item(self.rng.choice(["search", "support"]), kind, False, how, body)
+        if r < self.invalid_share + self.hot_share:
+            q = self.rng.choice(HOT)
+            task = "support" if any(w in q for w in ("order", "return", "payment")) else "search"
+            return Item(task, "hot", True, "json", {"query": q})
+        req = self.rng.choice(self.pool)
+        body: dict[str, Any] = {"query": req.query}
+        if req.history:
+            body["history"] = [t.model_dump() for t in req.history]
+        return Item(req.task, req.task, True, "json", body)
+
+    def draw(self, n: int) -> list[Item]:
+        """The next ``n`` requests: a closed loop cycles through them in order."""
+        return [self.pick() for _ in range(n)]
+
+
+@dataclass
+class AgentReply:
+    """What one request got from the agent. ``start``: seconds since the load began (the closed loop sets it);
+    ``reason``: the route's reason (``x-cartspec-route``); ``error``/``error_reason``: the error body's."""
+
+    id: str
+    endpoint: str
+    kind: str
+    valid: bool
+    status: int = 0
+    latency_s: float = 0.0
+    start: float = 0.0
+    cache: str | None = None
+    route_header: str | None = None
+    target: str | None = None
+    reason: str | None = None
+    deployment: str | None = None
+    retry_after: str | None = None
+    error: str | None = None
+    error_reason: str | None = None
+
+    @property
+    def end(self) -> float:
+        return self.start + self.latency_s
+
+    def row(self) -> dict:
+        return {**asdict(self), "start": round(self.start, 3), "end": round(self.end, 3)}
+
+
+class AgentLoad:
+    """``clients`` closed-loop clients against the agent at ``base``, each sending its next request as soon as the
+    last is answered. A 503 is followed, as a well-behaved client does, by a wait of its ``Retry-After`` (1 s
+    without one), capped at ``retry_cap_s`` with up to 20% jitter so refused clients do not all come back in the
+    same instant; ``honour_retry_after=False`` resends at once."""
+
+    def __init__(self, base: str, clients: int, mix: Mix, retry_cap_s: float = 5.0, honour_retry_after: bool = True,
+                 seed: int = 0, n_items: int = 20_000):
+        self.base, self.clients = base, clients
+        self.items = mix.draw(n_items)
+        self.retry_cap_s, self.honour_retry_after = retry_cap_s, honour_retry_after
         self.rng = random.Random(seed + 1)
-        self.records: list[dict] = []
+        self.records: list[AgentReply] = []
         self.t0 = time.monotonic()
-        self._n = 0
 
     def now(self) -> float:
-        """Seconds since the load began: the clock of every record's start and end."""
+        """Seconds since the load began: the clock of every record's start."""
         return time.monotonic() - self.t0
 
-    async def _client(self, http: httpx.AsyncClient, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            item = self.mix.pick()
-            self._n += 1
-            rid = f"r{self._n:06d}"
-            rec = {"id": rid, "endpoint": item["endpoint"], "kind": item["kind"],
-                   "start": round(time.monotonic() - self.t0, 3)}
-            t = time.perf_counter()
-            try:
-                r = await http.post(f"{self.base}/v1/{item['endpoint']}", content=json.dumps(item["body"]),
-                                    headers={"content-type": "application/json", "x-request-id": rid})
-                rec["status"] = r.status_code
-                h = r.headers
-                rec.update(cache=h.get("x-cartspec-cache"), route_header=h.get("x-cartspec-route"),
-                           deployment=h.get("x-cartspec-deployment"), retry_after=h.get("retry-after"))
-                if rec["route_header"]:
-                    target, _, rest = rec["route_header"].partition(";")
-                    rec["target"] = target.strip()
-                    rec["reason"] = rest.split("reason=", 1)[-1].split(";")[0].strip() if "reason=" in rest else None
-                if r.status_code >= 400:
-                    err = r.json().get("error", {})
-                    rec["error"], rec["error_reason"] = err.get("type"), err.get("reason")
-            except httpx.HTTPError as exc:  # the agent itself failed: never expected
-                rec.update(status=-1, error="client_error", error_reason=f"{type(exc).__name__}: {exc}")
-            rec["latency_s"] = round(time.perf_counter() - t, 4)
-            rec["end"] = round(time.monotonic() - self.t0, 3)
-            self.records.append(rec)
-            if rec["status"] == 503 and rec.get("retry_after"):
-                wait = min(float(rec["retry_after"]), self.retry_cap_s)
-                await asyncio.sleep(wait * (1 + 0.2 * self.rng.random()))
+    def rows(self) -> list[dict]:
+        return [r.row() for r in self.records]
+
+    async def _send(self, http: httpx.AsyncClient, i: int, item: Item) -> AgentReply:
+        rec = AgentReply(id=f"r{i:06d}", endpoint=item.endpoint, kind=item.kind, valid=item.valid)
+        ctype = "text/plain" if item.how == "text" else "application/json"
+        content = json.dumps(item.body) if item.how == "json" else item.body
+        t = time.perf_counter()
+        try:
+            r = await http.post(f"{self.base}/v1/{item.endpoint}", content=content,
+                                headers={"content-type": ctype, "x-request-id": rec.id})
+            rec.status = r.status_code
+            h = r.headers
+            rec.cache, rec.route_header = h.get("x-cartspec-cache"), h.get("x-cartspec-route")
+            rec.deployment, rec.retry_after = h.get("x-cartspec-deployment"), h.get("retry-after")
+            if rec.route_header:
+                target, _, rest = rec.route_header.partition(";")
+                rec.target = target.strip()
+                rec.reason = rest.split("reason=", 1)[-1].split(";")[0].strip() if "reason=" in rest else None
+            if r.status_code >= 400:
+                err = r.json().get("error", {})
+                rec.error, rec.error_reason = err.get("type"), err.get("reason")
+        except httpx.HTTPError as exc:  # the agent itself failed: never expected
+            rec.status, rec.error, rec.error_reason = -1, "client_error", f"{type(exc).__name__}: {exc}"
+        rec.latency_s = round(time.perf_counter() - t, 4)
+        if rec.status == 503 and self.honour_retry_after:
+            wait = min(float(rec.retry_after or 1), self.retry_cap_s)
+            await asyncio.sleep(wait * (1 + 0.2 * self.rng.random()))
+        return rec
 
     async def run(self, stop: asyncio.Event, timeout_s: float = 300.0) -> None:
-        """Send until ``stop`` is set; the caller sets it (a drill's phases decide when)."""
+        """Send until ``stop`` is set (a drill's phases decide when); requests in flight then finish."""
         limits = httpx.Limits(max_connections=self.clients + 8, max_keepalive_connections=self.clients + 8)
         async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
             self.t0 = time.monotonic()
-            await asyncio.gather(*(self._client(http, stop) for _ in range(self.clients)))
+            await closed_loop(lambda i, item: self._send(http, i, item), self.items, self.clients,
+                              n_requests=1 << 62, on_done=self.records.append, clock=self.now, stop=stop)

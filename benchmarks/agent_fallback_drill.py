@@ -3,14 +3,14 @@ paying, probes it, and returns when it pays again.
 
 Two deployments of the commerce model share the machine: plain (no speculation) and speculative
 with the *generic* EAGLE-3 head, which was trained for the base model and does not match the
-fine-tuned target (9% acceptance at γ=3).
+fine-tuned target (its acceptance there: the drills' section of docs/experiments.md).
 The agent (``cartspec serve --upstream SPEC --plain-upstream PLAIN``, its own process, router off
 so only the fallback moves traffic, cache off so every request reaches a model) sits in front with
 the acceptance fallback on. A few closed-loop clients send a steady stream:
 
   1. generic   rolling acceptance falls under the threshold -> fallback: plain, with probes
   2. swap      after --hold-s in fallback the speculative server is restarted on the same port
-               with the *domain* head (72% acceptance); probes fail over to plain meanwhile
+               with the *domain* head (which pays); probes fail over to plain meanwhile
   3. domain    probes accept again -> back to speculative; the load runs --after-s longer
 
 With --spec-url/--plain-url the drill uses running servers; it cannot swap a head it does not own,
@@ -37,11 +37,13 @@ from pathlib import Path
 
 import httpx
 
-from agent_drill_lib import ClosedLoop, log, percentile, start_agent, stop_agent, write_jsonl
-from cartspec.agent.cli import default_spec
+from agent_drill_lib import AgentLoad, Mix, log, write_jsonl
 from cartspec.agent.config import AgentConfig, CacheConfig, FallbackConfig, RouterConfig
+from cartspec.agent.defaults import default_spec
+from cartspec.agent.process import AgentProcess
 from cartspec.agent.trace import read_trace
 from cartspec.agent.wiring import plain_spec
+from cartspec.results import percentile
 from cartspec.serving.server import VllmServer, free_port, install_signal_handlers
 
 BACK = ("router-off",)  # with the router off, the reason of a request the fallback leaves alone
@@ -58,14 +60,14 @@ def wait_for(pred, timeout_s: float, every_s: float = 0.25):
     return _wait()
 
 
-async def drive(args, load: ClosedLoop, swap) -> dict:
+async def drive(args, load: AgentLoad, swap) -> dict:
     """``swap()``: restarts the speculative server with the domain head (blocking); None: cannot."""
     stop = asyncio.Event()
     task = asyncio.create_task(load.run(stop))
     tl: dict[str, float | None] = {"fallback": None, "swap_begin": None, "spec_healthy": None, "returned": None}
     log(f"load: {args.clients} clients; waiting for the fallback (at most {args.max_phase_s:.0f}s)")
-    hit = await wait_for(lambda: any(r.get("reason") == "acceptance-fallback" for r in load.records), args.max_phase_s)
-    tl["fallback"] = min((r["start"] for r in load.records if r.get("reason") == "acceptance-fallback"), default=None)
+    hit = await wait_for(lambda: any(r.reason == "acceptance-fallback" for r in load.records), args.max_phase_s)
+    tl["fallback"] = min((r.start for r in load.records if r.reason == "acceptance-fallback"), default=None)
     log(f"fallback {'seen at t=%.1fs' % tl['fallback'] if hit else 'NOT seen'}; holding {args.hold_s:.0f}s")
     await asyncio.sleep(args.hold_s)
     if swap is not None and hit:
@@ -74,11 +76,11 @@ async def drive(args, load: ClosedLoop, swap) -> dict:
         await asyncio.to_thread(swap)
         tl["spec_healthy"] = load.now()
         log(f"domain head healthy at t={tl['spec_healthy']:.1f}s; waiting for traffic to return")
-        back = await wait_for(lambda: any(r.get("reason") in BACK and r["start"] > tl["spec_healthy"]
+        back = await wait_for(lambda: any(r.reason in BACK and r.start > tl["spec_healthy"]
                                           for r in load.records), args.max_phase_s)
         if back:
-            tl["returned"] = min(r["start"] for r in load.records
-                                 if r.get("reason") in BACK and r["start"] > tl["spec_healthy"])
+            tl["returned"] = min(r.start for r in load.records
+                                 if r.reason in BACK and r.start > tl["spec_healthy"])
             log(f"traffic back on speculative at t={tl['returned']:.1f}s; {args.after_s:.0f}s more")
             await asyncio.sleep(args.after_s)
         else:
@@ -138,7 +140,7 @@ def summarise(rows: list[dict], tl: dict) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="commerce")
     ap.add_argument("--gamma", type=int, default=3)
@@ -160,7 +162,11 @@ def main() -> None:
     ap.add_argument("--probe-share", type=float, default=d.probe_share)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs/agent-fallback-drill"))
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The drill; its summary (also in OUT/summary.json)."""
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("trace.jsonl", "trace.jsonl.1"):
@@ -170,7 +176,7 @@ def main() -> None:
     domain = default_spec(args.model, "domain", args.gamma, args.enforce_eager)
     generic, domain = (s.model_copy(update={"max_num_seqs": args.max_num_seqs}) for s in (generic, domain))
     servers: list[VllmServer] = []
-    agent = None
+    agent: AgentProcess | None = None
     try:
         plain_url = args.plain_url
         if not plain_url:
@@ -192,9 +198,11 @@ def main() -> None:
                                                   recover_threshold=args.recover_threshold,
                                                   window_requests=args.window_requests,
                                                   min_requests=args.min_requests, probe_share=args.probe_share))
-        agent, base = start_agent(cfg, ["--upstream", spec_url, "--label", spec_label, "--served-name",
-                                        args.served_name, "--plain-upstream", plain_url, "--plain-served-name",
-                                        args.served_name, "--no-router"], out)
+        agent = AgentProcess(cfg, ["--upstream", spec_url, "--label", spec_label, "--served-name", args.served_name,
+                                   "--plain-upstream", plain_url, "--plain-served-name", args.served_name,
+                                   "--no-router"], out, name="agent")
+        log("agent: " + " ".join(agent.command()))
+        base = agent.start().url
 
         def swap() -> None:
             spec_server.stop()
@@ -202,10 +210,10 @@ def main() -> None:
             servers.append(on_same_port)
             on_same_port.start()
 
-        load = ClosedLoop(base, args.clients, seed=args.seed)
+        load = AgentLoad(base, args.clients, Mix(args.seed), seed=args.seed)
         tl = asyncio.run(drive(args, load, swap if spec_server else None))
         (out / "metrics.txt").write_text(httpx.get(base + "/metrics", timeout=10).text)
-        rows = join_trace(load.records, read_trace(out / "trace.jsonl"))
+        rows = join_trace(load.rows(), read_trace(out / "trace.jsonl"))
         write_jsonl(out / "requests.jsonl", rows)
         switches = [ln for ln in (out / "agent.log").read_text().splitlines()
                     if "acceptance fallback:" in ln or "acceptance recovered:" in ln]
@@ -214,15 +222,34 @@ def main() -> None:
                                   "heads": [generic.label] + ([domain.label] if spec_server else [])},
                   "timeline_s": {k: round(v, 2) for k, v in tl.items() if v is not None},
                   **summarise(rows, tl), "switch_log": switches}
+        report["checks"] = checks(report)
         (out / "summary.json").write_text(json.dumps(report, indent=2))
         print(json.dumps({k: v for k, v in report.items() if k != "config"}, indent=2))
-        sys.exit(0 if report["fallback_detected"]["requests"] is not None else 1)
+        return report
     finally:
-        stop_agent(agent)
+        if agent is not None:
+            agent.stop()
         for srv in servers:
             srv.stop()
 
 
+def checks(report: dict) -> dict[str, bool]:
+    """What the drill shows: the fallback took traffic to plain, and (where the drill owned the speculative
+    server and swapped its head) traffic came back once the draft paid again."""
+    checks = {"fallback detected": report["fallback_detected"]["requests"] is not None,
+              "during fallback: most requests on plain": (report["during_fallback"]["share_plain"] or 0) > 0.5,
+              "no 5xx but 503, no client error": all(int(s) != -1 and (int(s) < 500 or int(s) == 503)
+                                                     for s in report["statuses"])}
+    if len(report["deployments"]["heads"]) > 1:
+        checks["traffic returned after the swap"] = report["timeline_s"].get("returned") is not None
+    return checks
+
+
+def main() -> None:
+    report = run(parse_args())
+    sys.exit(0 if report["fallback_detected"]["requests"] is not None else 1)
+
+
 if __name__ == "__main__":
-    install_signal_handlers()  # killed (SIGTERM/SIGHUP), it still stops the vLLM servers it started
+    install_signal_handlers()  # killed (SIGTERM/SIGHUP), it still stops the vLLM servers and the agent it started
     main()

@@ -30,9 +30,7 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -40,109 +38,12 @@ from pathlib import Path
 
 import httpx
 
-from cartspec.agent.cli import default_spec
+from agent_drill_lib import AgentLoad, Mix, log, write_jsonl
 from cartspec.agent.config import AgentConfig
+from cartspec.agent.defaults import default_spec
+from cartspec.agent.process import AgentProcess
+from cartspec.results import percentile
 from cartspec.serving.server import VllmServer, free_port, install_signal_handlers
-from cartspec.task.data import MAX_QUERY_CHARS
-from cartspec.task.generator import generate
-
-HOT = ["red running shoes", "where is my order?", "wireless headphones under $100", "how do I return an item?",
-       "black hoodie size m", "what payment methods do you take?"]
-
-INVALID = {
-    "empty_query": lambda: ("json", {"query": ""}),
-    "blank_query": lambda: ("json", {"query": "   "}),
-    "oversized_query": lambda: ("json", {"query": "shoes " * (MAX_QUERY_CHARS // 5 + 10)}),
-    "missing_query": lambda: ("json", {"history": []}),
-    "history_not_list": lambda: ("json", {"query": "cheaper", "history": "earlier: red shoes"}),
-    "history_bad_role": lambda: ("json", {"query": "cheaper", "history": [{"role": "system", "content": "x"}]}),
-    "history_too_long": lambda: ("json", {"query": "cheaper", "history": [{"role": "user", "content": "a"}] * 20}),
-    "wrong_content_type": lambda: ("text", "query=red shoes"),
-    "malformed_json": lambda: ("raw", '{"query": "red shoes"'),
-    "query_not_string": lambda: ("json", {"query": ["red", "shoes"]}),
-}
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-class Load:
-    def __init__(self, base: str, clients: int, seed: int, invalid_share: float, hot_share: float):
-        self.base, self.clients = base, clients
-        self.rng = random.Random(seed)
-        self.invalid_share, self.hot_share = invalid_share, hot_share
-        self.pool = generate("test", 400, seed)
-        self.records: list[dict] = []
-        self.t0 = 0.0
-        self.honour_retry_after = True
-
-    def pick(self) -> dict:
-        r = self.rng.random()
-        if r < self.invalid_share:
-            kind = self.rng.choice(list(INVALID))
-            how, body = INVALID[kind]()
-            return {"valid": False, "kind": kind, "endpoint": self.rng.choice(["search", "support"]),
-                    "how": how, "body": body}
-        if r < self.invalid_share + self.hot_share:
-            q = self.rng.choice(HOT)
-            task = "support" if any(w in q for w in ("order", "return", "payment")) else "search"
-            return {"valid": True, "kind": "hot", "endpoint": task, "how": "json", "body": {"query": q}}
-        req = self.rng.choice(self.pool)
-        body = {"query": req.query}
-        if req.history:
-            body["history"] = [t.model_dump() for t in req.history]
-        return {"valid": True, "kind": req.task, "endpoint": req.task, "how": "json", "body": body}
-
-    async def client(self, http: httpx.AsyncClient, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            item = self.pick()
-            if item["how"] == "json":
-                kw = {"content": json.dumps(item["body"]), "headers": {"content-type": "application/json"}}
-            elif item["how"] == "text":
-                kw = {"content": item["body"], "headers": {"content-type": "text/plain"}}
-            else:
-                kw = {"content": item["body"], "headers": {"content-type": "application/json"}}
-            start = time.monotonic() - self.t0
-            rec = {"start": round(start, 3), "valid": item["valid"], "kind": item["kind"],
-                   "endpoint": item["endpoint"]}
-            try:
-                r = await http.post(f"{self.base}/v1/{item['endpoint']}", **kw)
-                rec["status"] = r.status_code
-                rec["cache"] = r.headers.get("x-cartspec-cache")
-                rec["id"] = r.headers.get("x-request-id")
-                if r.status_code >= 400:
-                    err = r.json().get("error", {})
-                    rec["error"], rec["reason"] = err.get("type"), err.get("reason")
-            except httpx.HTTPError as exc:  # the agent itself failed: that must never happen
-                rec["status"], rec["error"], rec["reason"] = -1, "client_error", f"{type(exc).__name__}: {exc}"
-            rec["end"] = round(time.monotonic() - self.t0, 3)
-            self.records.append(rec)
-            if rec["status"] == 503 and self.honour_retry_after:  # as a well-behaved client does
-                await asyncio.sleep(min(float(r.headers.get("retry-after", 1)), 1.0))
-
-
-def start_agent(url: str, label: str, port: int, out: Path) -> subprocess.Popen:
-    cfg = AgentConfig(port=port, trace_path=out / "trace.jsonl", upstream_timeout_s=45, request_timeout_s=90,
-                      probe_interval_s=0.5)
-    cfg.save(out / "agent.yaml")
-    cmd = [sys.executable, "-m", "cartspec.cli", "serve", "--upstream", url, "--label", label,
-           "--config", str(out / "agent.yaml")]
-    log("agent: " + " ".join(cmd))
-    agent = subprocess.Popen(cmd, stdout=(out / "agent.log").open("w"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if httpx.get(base + "/ready", timeout=1).status_code == 200:
-                return agent
-        except httpx.HTTPError:
-            pass
-        if agent.poll() is not None:
-            raise RuntimeError("agent exited: " + (out / "agent.log").read_text()[-2000:])
-        time.sleep(0.3)
-    raise RuntimeError("agent did not become ready")
 
 
 def phase_of(t: float, t_kill: float, t_up: float | None) -> str:
@@ -165,17 +66,17 @@ def summarise(records: list[dict], t_kill: float, t_up: float | None) -> dict:
         if r["valid"] and s == 200 and r.get("cache") == "hit":
             table[ph]["valid"]["2xx_from_cache"] += 1
         if s == 503:
-            reasons[(r.get("error"), (r.get("reason") or "")[:90])] += 1
+            reasons[(r.get("error"), (r.get("error_reason") or "")[:90])] += 1
     served = sorted(r["end"] for r in records if r["valid"] and r["status"] == 200
                     and r.get("cache") != "hit" and r["end"] > t_kill)
     last_503 = max((r["end"] for r in records if r["status"] == 503), default=None)
     latency: dict[str, dict] = {}
     for ph in ("healthy", "down", "recovered"):
-        xs = sorted(r["end"] - r["start"] for r in records if r["valid"] and r["status"] == 200
-                    and r.get("cache") != "hit" and phase_of(r["end"], t_kill, t_up) == ph)
+        xs = [r["latency_s"] for r in records if r["valid"] and r["status"] == 200
+              and r.get("cache") != "hit" and phase_of(r["end"], t_kill, t_up) == ph]
         if xs:
-            latency[ph] = {"n": len(xs), "p50_s": round(xs[len(xs) // 2], 2),
-                           "p95_s": round(xs[min(len(xs) - 1, int(len(xs) * 0.95))], 2)}
+            latency[ph] = {"n": len(xs), "p50_s": round(percentile(xs, 50), 2),
+                           "p95_s": round(percentile(xs, 95), 2)}
     return {
         "phases": {ph: {k: dict(v) for k, v in d.items()} for ph, d in table.items()},
         "first_model_answer_after_kill_s": round(served[0] - t_kill, 2) if served else None,
@@ -234,44 +135,40 @@ def write_excerpt(out: Path, t0_wall: float, t_kill: float, t_up: float | None) 
 
 
 async def drill(args, server: VllmServer, agent_base: str, out: Path, t0_wall_box: list) -> dict:
-    load = Load(agent_base, args.clients, args.seed, args.invalid_share, args.hot_share)
-    load.honour_retry_after = not args.hammer
+    load = AgentLoad(agent_base, args.clients, Mix(args.seed, args.invalid_share, args.hot_share), retry_cap_s=1.0,
+                     honour_retry_after=not args.hammer, seed=args.seed)
     stop = asyncio.Event()
     timeline: dict[str, float | None] = {"kill": None, "restart_begin": None, "upstream_healthy": None}
-    limits = httpx.Limits(max_connections=args.clients + 8, max_keepalive_connections=args.clients + 8)
-    async with httpx.AsyncClient(timeout=120, limits=limits) as http:
-        load.t0 = time.monotonic()
-        t0_wall_box.append(time.time())
-        tasks = [asyncio.create_task(load.client(http, stop)) for _ in range(args.clients)]
-        log(f"load: {args.clients} clients for {args.duration:.0f}s; kill at {args.kill_at:.0f}s")
+    t0_wall_box.append(time.time())
+    task = asyncio.create_task(load.run(stop, timeout_s=120))
+    log(f"load: {args.clients} clients for {args.duration:.0f}s; kill at {args.kill_at:.0f}s")
 
-        await asyncio.sleep(args.kill_at)
-        victims = server.pids()
-        timeline["kill"] = time.monotonic() - load.t0
-        os.kill(server.proc.pid, signal.SIGKILL)  # the vLLM API server, as an OOM kill would
-        log(f"killed vLLM API server pid {server.proc.pid} (group {victims}) at t={timeline['kill']:.1f}s")
+    await asyncio.sleep(args.kill_at)
+    victims = server.pids()
+    timeline["kill"] = load.now()
+    os.kill(server.proc.pid, signal.SIGKILL)  # the vLLM API server, as an OOM kill would
+    log(f"killed vLLM API server pid {server.proc.pid} (group {victims}) at t={timeline['kill']:.1f}s")
 
-        await asyncio.sleep(args.restart_after)
-        timeline["restart_begin"] = time.monotonic() - load.t0
-        log("restarting the deployment on the same port")
-        t_r = time.monotonic()
-        await asyncio.to_thread(server.restart)
-        timeline["upstream_healthy"] = time.monotonic() - load.t0
-        timeline["restart_s"] = time.monotonic() - t_r
-        log(f"vLLM healthy again at t={timeline['upstream_healthy']:.1f}s (restart took {timeline['restart_s']:.1f}s)")
+    await asyncio.sleep(args.restart_after)
+    timeline["restart_begin"] = load.now()
+    log("restarting the deployment on the same port")
+    t_r = time.monotonic()
+    await asyncio.to_thread(server.restart)
+    timeline["upstream_healthy"] = load.now()
+    timeline["restart_s"] = time.monotonic() - t_r
+    log(f"vLLM healthy again at t={timeline['upstream_healthy']:.1f}s (restart took {timeline['restart_s']:.1f}s)")
 
-        end = max(args.duration, timeline["upstream_healthy"] + args.observe_after)
-        await asyncio.sleep(max(0.0, end - (time.monotonic() - load.t0)))
-        stop.set()
-        await asyncio.gather(*tasks)
-        timeline["load_end"] = time.monotonic() - load.t0
-    with (out / "requests.jsonl").open("w") as fh:
-        for r in load.records:
-            fh.write(json.dumps(r) + "\n")
-    return {"timeline": timeline, "records": load.records}
+    end = max(args.duration, timeline["upstream_healthy"] + args.observe_after)
+    await asyncio.sleep(max(0.0, end - load.now()))
+    stop.set()
+    await task
+    timeline["load_end"] = load.now()
+    rows = load.rows()
+    write_jsonl(out / "requests.jsonl", rows)
+    return {"timeline": timeline, "records": rows}
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="commerce")
     ap.add_argument("--head", default="auto")
@@ -288,22 +185,22 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("runs/agent-drill"))
     ap.add_argument("--reexcerpt", action="store_true", help="only rewrite trace_excerpt.jsonl of a finished run")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The drill; its summary (also in OUT/summary.json), whose ``checks`` say what held."""
     out = args.out
-    if args.reexcerpt:
-        rep = json.loads((out / "summary.json").read_text())
-        t0 = rep.get("t0_wall") or json.loads((out / "trace.jsonl").open().readline())["ts"]
-        tl = rep["timeline_s"]
-        print(write_excerpt(out, t0, tl["kill"], tl.get("upstream_healthy")), "trace lines")
-        return
     out.mkdir(parents=True, exist_ok=True)
     for stale in ("trace.jsonl", "trace.jsonl.1"):
         (out / stale).unlink(missing_ok=True)
 
     spec = default_spec(args.model, args.head, args.gamma, args.enforce_eager)
     spec = spec.model_copy(update={"max_num_seqs": 32})
-    server = VllmServer(spec, log_dir=out / "logs", port=free_port())
     agent = None
+    server = VllmServer(spec, log_dir=out / "logs", port=free_port())
+    cfg = AgentConfig(trace_path=out / "trace.jsonl", upstream_timeout_s=45, request_timeout_s=90,
+                      probe_interval_s=0.5)
     try:
         log(f"starting vLLM: {spec.model} {spec.label} on :{server.port}")
         t = time.monotonic()
@@ -311,13 +208,13 @@ def main() -> None:
         start_s = time.monotonic() - t
         info = server.info()
         log(f"vLLM healthy in {start_s:.1f}s: {info.versions.get('vllm')}, model {info.versions['model_dir']}")
-        agent_port = free_port()
-        agent = start_agent(server.url, spec.label, agent_port, out)
-        base = f"http://127.0.0.1:{agent_port}"
+        agent = AgentProcess(cfg, ["--upstream", server.url, "--label", spec.label], out, name="agent")
+        log("agent: " + " ".join(agent.command()))
+        base = agent.start().url
         t0_box: list[float] = []
         result = asyncio.run(drill(args, server, base, out, t0_box))
         tl = result["timeline"]
-        agent_alive = agent.poll() is None and httpx.get(base + "/health", timeout=5).status_code == 200
+        agent_alive = agent.alive() and httpx.get(base + "/health", timeout=5).status_code == 200
         (out / "metrics.txt").write_text(httpx.get(base + "/metrics", timeout=10).text)
         try:
             (out / "vllm_metrics.txt").write_text(httpx.get(server.url + "/metrics", timeout=10).text)
@@ -339,17 +236,24 @@ def main() -> None:
                                                  "agent_recovery_after_upstream_healthy_s",
                                                  "agent_noticed_recovery_s", "model_answer_latency", "top_503_reasons",
                                                  "checks", "passed")}, indent=2))
-        sys.exit(0 if report["passed"] else 1)
+        return report
     finally:
-        if agent is not None and agent.poll() is None:
-            os.killpg(agent.pid, signal.SIGTERM)
-            try:
-                agent.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(agent.pid, signal.SIGKILL)
+        if agent is not None:
+            agent.stop()
         server.stop()
 
 
+def main() -> None:
+    args = parse_args()
+    if args.reexcerpt:
+        rep = json.loads((args.out / "summary.json").read_text())
+        t0 = rep.get("t0_wall") or json.loads((args.out / "trace.jsonl").open().readline())["ts"]
+        tl = rep["timeline_s"]
+        print(write_excerpt(args.out, t0, tl["kill"], tl.get("upstream_healthy")), "trace lines")
+        return
+    sys.exit(0 if run(args)["passed"] else 1)
+
+
 if __name__ == "__main__":
-    install_signal_handlers()  # killed (SIGTERM/SIGHUP), it still stops the vLLM servers it started
+    install_signal_handlers()  # killed (SIGTERM/SIGHUP), it still stops the vLLM servers and the agent it started
     main()

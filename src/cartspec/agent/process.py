@@ -83,8 +83,7 @@ class AgentProcess:
             if proc is None:
                 raise AgentError("the agent was stopped while it was starting")
             if proc.poll() is not None:
-                cause = root_cause(read_log(self.log_path)) or "it exited before it became ready"
-                raise AgentError(f"the agent exited with code {proc.returncode}: {cause}", tail(self.log_path))
+                raise AgentError(f"the agent exited with code {proc.returncode}: {self._cause()}", tail(self.log_path))
             try:
                 if httpx.get(self.url + "/ready", timeout=1).status_code == 200:
                     return
@@ -92,6 +91,12 @@ class AgentProcess:
                 pass
             time.sleep(0.3)
         raise AgentError(f"the agent was not ready within {self.start_timeout_s:.0f}s", tail(self.log_path))
+
+    def _cause(self) -> str:
+        """The first exception the agent logged, else its last line (``cartspec serve`` prints ``error: ...``)."""
+        log = read_log(self.log_path)
+        lines = [ln.strip() for ln in log.splitlines() if ln.strip() and not ln.startswith("$ ")]
+        return root_cause(log) or (lines[-1][-400:] if lines else "it exited before it became ready")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

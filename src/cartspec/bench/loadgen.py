@@ -20,7 +20,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 import httpx
 
@@ -29,6 +29,8 @@ from .metrics import scrape, stats_from_responses
 from ..results import AcceptanceStats, RequestRecord
 
 Clock = Callable[[], float]
+Req = TypeVar("Req")  # what a closed loop sends: a ChatRequest for the study
+Rec = TypeVar("Rec")  # what it keeps: a RequestRecord for the study
 SPEC_KEYS = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens", "mean_acceptance_length",
              "draft_acceptance_rate",
              # per verify step (``--per-request-spec-decode-metrics detailed``): acceptance per token class
@@ -157,22 +159,25 @@ async def stream_chat(http: httpx.AsyncClient, model: str, req: ChatRequest, tem
 OnDone = Callable[[RequestRecord], None]
 
 
-async def closed_loop(send: Callable[[int, ChatRequest], Awaitable[RequestRecord]], requests: Sequence[ChatRequest],
+async def closed_loop(send: Callable[[int, Req], Awaitable[Rec]], requests: Sequence[Req],
                       concurrency: int, n_requests: int, duration_s: float | None = None,
-                      on_done: OnDone | None = None, clock: Clock = time.perf_counter,
-                      offset: int = 0) -> tuple[list[RequestRecord], float]:
-    """Keep ``concurrency`` requests in flight until ``n_requests`` were sent (or ``duration_s`` passed).
+                      on_done: Callable[[Rec], None] | None = None, clock: Clock = time.perf_counter,
+                      offset: int = 0, stop: asyncio.Event | None = None) -> tuple[list[Rec], float]:
+    """Keep ``concurrency`` requests in flight until ``n_requests`` were sent (or ``duration_s`` passed, or
+    ``stop`` was set: a caller whose phases decide when the load ends, as the agent drills').
 
     Requests are taken in order, cycling through ``requests``, from request ``offset`` on; the i-th
-    measured request is the same on every deployment, so points compare paired.
+    measured request is the same on every deployment, so points compare paired. ``send`` returns a
+    ``RequestRecord`` (or another record with a ``start`` to set: the agent drills keep the agent's headers).
     """
-    records: list[RequestRecord] = []
+    records: list[Rec] = []
     next_i = 0
     t0 = clock()
 
     async def worker() -> None:
         nonlocal next_i
-        while next_i < n_requests and (duration_s is None or clock() - t0 < duration_s):
+        while next_i < n_requests and (duration_s is None or clock() - t0 < duration_s) \
+                and not (stop is not None and stop.is_set()):
             i = offset + next_i
             next_i += 1
             t_send = clock()
