@@ -70,8 +70,7 @@ SECTION = r"""
 Replies are paired with the baseline's by request and sample index (the same seed on both); all samples and loads of
 a request form one cluster. needed: requests at these samples per request (or samples per request with these requests)
 for 80% power, from the observed variance. Judge: both orders, an order-inconsistent verdict is a tie, identical replies
-are ties without asking. (The table above is the earlier one-sided check of exact match: its "preserved" only asks
-the interval's lower bound to clear −margin.)</p>
+are ties without asking.</p>
 <table id="quality-verdicts-table"><tr><th class="l">deployment</th><th>T</th><th>requests</th><th>pairs</th><th>samples</th>
 <th>identical</th><th>Δ</th><th>95% CI</th><th class="l">verdict</th><th>needed</th>
 {% for m in metrics %}<th>Δ {{ m }} [CI] (p)</th>{% endfor %}<th>judge W/T/L (p)</th><th class="l">judge calibration</th></tr>

@@ -49,11 +49,12 @@ figcaption{color:#555;font-size:12.5px}.muted{color:#777;font-size:12px}
 <td>{{ num(c.e2el_p99, 2) }}</td><td>{{ c.instances_needed if c.instances_needed is not none else "—" }}</td></tr>{% endfor %}
 </table>
 
-{% if tests %}<h2>Quality: speculative replies against the baseline's</h2>
+{% if tests and not quality_html %}<h2>Quality: speculative replies against the baseline's</h2>
 <p class="muted">Each deployment's replies paired with the baseline's to the same requests at the same loads.
 Same text / same JSON: identical reply, or equal once parsed. Δ exact: the difference in exact match against the gold
 answers, with a 95% bootstrap interval over requests (a request answered at several loads counts once) and an exact
-sign-test p-value. Preserved: the interval lies above −{{ pct(tests[0].margin) }}.</p>
+sign-test p-value. Preserved: the interval lies inside ±{{ pct(tests[0].margin) }} (the quality step's equivalence
+test; <code>cartspec quality --run DIR</code> adds every metric and the judge, in a table that replaces this one).</p>
 <table id="quality"><tr><th class="l">deployment</th><th>T</th><th class="l">set</th><th>pairs</th><th>requests</th>
 <th>same text</th><th>same JSON</th><th>exact, baseline</th><th>exact, speculative</th><th>Δ exact</th><th>95% CI</th>
 <th>p</th><th class="l">verdict</th></tr>
