@@ -144,6 +144,7 @@ def _register_stages() -> None:
     from .draft.cli import app as draft_app
     from .quality.cli import register as register_quality
     from .report.cli import register as register_report
+    from .serving.cli import register as register_serving
 
     app.command("serve")(serve)
     app.add_typer(draft_app, name="draft")
@@ -151,6 +152,7 @@ def _register_stages() -> None:
     register_report(app)  # report
     register_analysis(app)  # tune
     register_quality(app)  # quality
+    register_serving(app)  # export
 
 
 _register_stages()

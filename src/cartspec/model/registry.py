@@ -137,6 +137,16 @@ def _content_digest(model_dir: Path) -> str:
     return known[stamp]
 
 
+def _merge_base(m: dict[str, Any]) -> Path:
+    """The base a merged model's marker names. A merge made under another ``CARTSPEC_HOME`` (a test session's,
+    whose models/ links to the user's) names a path that is gone: the same converted base in this home's
+    models/ is the one meant (cached models are named by content)."""
+    base = Path(m["base"])
+    if not (base / "config.json").exists() and (models_dir() / base.name / "config.json").exists():
+        return models_dir() / base.name
+    return base
+
+
 def target_digest(model_dir: Path) -> str:
     """What a head records as "the model I was trained for" (16 hex digits).
 
@@ -150,7 +160,7 @@ def target_digest(model_dir: Path) -> str:
         if m.get("stage") == "convert" and m.get("source_sha256"):
             return config_digest({"gguf": m["source_sha256"], "dtype": m.get("dtype")})
         if m.get("stage") == "merge" and m.get("adapter_digest"):
-            base = m.get("base_digest") or target_digest(Path(m["base"]))
+            base = m.get("base_digest") or target_digest(_merge_base(m))
             return config_digest({"base": base, "adapter": m["adapter_digest"][:12]})
     return _content_digest(model_dir)
 
@@ -162,8 +172,8 @@ def model_lineage(model_dir: Path) -> list[str]:
     marker = Path(model_dir) / "cartspec.json"
     if marker.exists():
         m = json.loads(marker.read_text())
-        if m.get("stage") == "merge" and m.get("base") and Path(m["base"], "config.json").exists():
-            out += [d for d in model_lineage(Path(m["base"])) if d not in out]
+        if m.get("stage") == "merge" and m.get("base") and (_merge_base(m) / "config.json").exists():
+            out += [d for d in model_lineage(_merge_base(m)) if d not in out]
         elif m.get("stage") == "merge" and m.get("base_digest"):
             out.append(m["base_digest"])
     return out
