@@ -4,11 +4,11 @@ runs/issue15/, for docs/your-own-model.md. Run from the repository root: python 
 import json, random, sys
 from pathlib import Path
 sys.path.insert(0, "tests")
-from conftest import confident_target, _smollm_tokenizer
+from conftest import confident_target, smollm_tokenizer
 
 root = Path("runs/issue15")
 tokdir = root / "tokenizer"
-_smollm_tokenizer().save_pretrained(tokdir)
+smollm_tokenizer().save_pretrained(tokdir)
 for arch in ("llama", "llama3", "qwen3"):
     if not (root / arch / "config.json").exists():
         confident_target(arch, root / arch, tokdir)  # final norm x40: something for a head to learn

@@ -12,7 +12,8 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_att
             num_key_value_heads=2, head_dim=64, max_position_embeddings=1024)
 
 
-def _smollm_tokenizer():
+def smollm_tokenizer():
+    """SmolLM2's tokenizer, from the bundled GGUF (also used by scripts/tiny-targets.py)."""
     from transformers import AutoTokenizer
 
     from cartspec.model.convert import bundled_gguf
@@ -25,7 +26,7 @@ def _smollm_tokenizer():
 def tokenizer_dir(tmp_path_factory) -> Path:
     """SmolLM2's tokenizer (with chat template), saved once per session."""
     out = tmp_path_factory.mktemp("tokenizer")
-    _smollm_tokenizer().save_pretrained(out)
+    smollm_tokenizer().save_pretrained(out)
     return out
 
 

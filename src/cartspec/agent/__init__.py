@@ -7,7 +7,10 @@ deployment), fallback (away from a draft that stopped paying, and back),
 admission (refuse what would wait too long), upstream (deployments, their
 health and throughput), acceptance (one definition of it), metrics
 (Prometheus), trace (JSONL per request), app (validation, retries, error
-mapping), wiring and cli (``cartspec serve``).
+mapping). Around it: defaults (what ``cartspec serve`` deploys), wiring (what goes
+behind the agent), supervisor (restarts a deployment that died), process (the
+agent as a process its caller owns: the drills and tests) and cli
+(``cartspec serve``, a shell over these).
 """
 
 from .config import AdmissionConfig, AgentConfig, CacheConfig, FallbackConfig, RouterConfig

@@ -26,8 +26,9 @@ class CacheConfig(BaseModel):
 class RouterConfig(BaseModel):
     """Speculative vs plain deployment per request. Off: everything goes to the speculative one.
 
-    Why route at all: on a CPU the draft's cost grows with the batch (a useless
-    head cost 13% at one stream, 60% at a batch of 8, measured with SmolLM2-135M on vLLM CPU), and a
+    Why route at all: on a CPU the draft's cost grows with the batch (a head that
+    drafts nothing useful costs more at a batch of 8 than at one stream: the
+    generic head's row in docs/experiments.md, "Paper preset, session 3"), and a
     short reply leaves few tokens for the draft to win back its cost.
     """
 
@@ -47,8 +48,9 @@ class FallbackConfig(BaseModel):
 
     A draft head that stops matching the target (a new adapter, drifted traffic)
     makes speculation slower than none: a head trained for the base model accepts
-    about 1-9% of its drafts on the fine-tuned commerce model, and a 1% head ran at
-    x0.39..0.83 of the baseline on a 2-core CPU. The agent keeps a rolling acceptance rate
+    few of its drafts on the fine-tuned commerce model and runs under the baseline
+    (the generic head in docs/drafting.md and docs/experiments.md, "Paper preset,
+    session 3", with the command and the machine). The agent keeps a rolling acceptance rate
     (accepted / drafted tokens over the last ``window_requests`` speculative
     replies); below ``threshold`` it routes to the plain deployment and sends
     every k-th request (k = 1 / ``probe_share``) to the speculative one as a
@@ -90,8 +92,9 @@ class AdmissionConfig(BaseModel):
     takes about (L + 1) / lambda (``admission.py``). Admitted requests then
     take about ``max_wait_s`` at worst when the deployment is saturated, so
     set it at or a little under the latency SLO, and above twice the latency
-    of a single request. Without it, 64 clients on one CPU deployment waited
-    7.8 s at p50 against a 2 s SLO: every request late instead of some refused.
+    of a single request. Without it, an overloaded deployment answers every
+    request late instead of refusing some (the admission drill in
+    docs/serving.md, "Two deployments, acceptance fallback, admission control").
     A deployment with nothing queued or in flight always admits, and so does
     one with too few completions to measure (``min_completions``).
     """
