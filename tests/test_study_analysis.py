@@ -97,7 +97,7 @@ def test_summary_and_report_are_byte_identical_to_the_golden_run(run_dir):
 
 
 def test_summary_json_is_the_analysis_and_loads_back(run_dir):
-    from cartspec.analysis.study import StudyAnalysis
+    from cartspec.analysis.models import StudyAnalysis
 
     text = (run_dir / "summary.json").read_text()
     loaded = StudyAnalysis.model_validate_json(text)
@@ -107,7 +107,7 @@ def test_summary_json_is_the_analysis_and_loads_back(run_dir):
 
 
 def test_typed_rows_carry_load_and_speedup(run_dir):
-    from cartspec.analysis.study import StudyAnalysis
+    from cartspec.analysis.models import StudyAnalysis
 
     a = StudyAnalysis.load(run_dir)
     by = {(r.deployment, r.load, r.temperature): r for r in a.points}
@@ -167,7 +167,7 @@ def test_run_manifest_reads_an_old_run_json_and_writes_it_back(tmp_path):
 
 def test_the_report_renders_from_the_loaded_summary(run_dir, tmp_path):
     """report.html is a function of the analysis alone: rendering the loaded summary gives the same page."""
-    from cartspec.analysis.study import StudyAnalysis
+    from cartspec.analysis.models import StudyAnalysis
     from cartspec.report.build import render_report
 
     rep = render_report(StudyAnalysis.load(run_dir), tmp_path)
@@ -193,7 +193,7 @@ def _sliced(deployment: str, method: str, gamma: int | None, throughputs: list[f
 
 
 def test_a_ratio_of_points_in_rounds_gets_a_paired_interval_from_their_slices():
-    from cartspec.analysis.study import slice_ratio_ci
+    from cartspec.analysis.rows import slice_ratio_ci
 
     # the host drifts by ±20% from slice to slice, but each pair runs at 1.10 : 1 within ±1%
     drift = [1.0, 0.8, 1.2, 0.9]
@@ -213,7 +213,8 @@ def test_a_ratio_of_points_in_rounds_gets_a_paired_interval_from_their_slices():
 
 
 def test_the_adaptive_goal_is_met_missed_or_within_the_noise_of_its_slices():
-    from cartspec.analysis.study import adaptive_table, study_rows
+    from cartspec.analysis.adaptive import adaptive_table
+    from cartspec.analysis.rows import study_rows
 
     sched = [[1, 64, 0]]  # decodes plainly: the adaptive server is a baseline
     drift = [1.0, 0.85, 1.1, 0.95]
@@ -237,7 +238,8 @@ def test_the_adaptive_goal_is_met_missed_or_within_the_noise_of_its_slices():
 def test_the_adaptive_point_is_set_beside_the_fixed_row_that_runs_its_gamma():
     """Where the schedule runs γ=5 at the load, the yardstick is the γ=5 row even when γ=3 measured faster;
     where it runs γ=0, the baseline."""
-    from cartspec.analysis.study import adaptive_table, study_rows
+    from cartspec.analysis.adaptive import adaptive_table
+    from cartspec.analysis.rows import study_rows
 
     base = _sliced("baseline", "none", None, [100.0, 100.0, 100.0, 100.0])
     g3 = _sliced("eagle3-domain-g3", "eagle3", 3, [160.0, 150.0, 155.0, 165.0])

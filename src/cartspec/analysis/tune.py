@@ -173,8 +173,8 @@ def measured_intervals(results: Iterable[PointResult] | Sequence[Sequence[PointR
                        method: str | None = None) -> dict[tuple[float, int, int], tuple[float, float]]:
     """(temperature, concurrency, γ) -> the 95% interval of this head's speedup over the baseline, from every
     pair of slices measured back to back at that load (in rounds, beside each other; several request sets or
-    runs pool their pairs: ``analysis.study.pooled_ratio_ci``); absent elsewhere."""
-    from .study import pooled_ratio_ci
+    runs pool their pairs: ``analysis.rows.pooled_ratio_ci``); absent elsewhere."""
+    from .rows import pooled_ratio_ci
 
     pairs: dict[tuple[float, int, int], list] = {}
     for key, r, b in _head_beside_baseline(results, head, method):

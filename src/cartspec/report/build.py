@@ -1,8 +1,8 @@
 """The study's report: one self-contained HTML file, rendered from a ``StudyAnalysis``.
 
-``analysis.study`` computes everything from ``results.jsonl`` (and ``run.json``, ``quality.json``);
-this module writes ``summary.json`` (the analysis as JSON) and draws the plots and the HTML from it, so
-``cartspec report --run DIR`` rebuilds the same report at any time.
+``analysis.study`` computes every figure from ``results.jsonl`` (and ``run.json``, ``quality.json``) and
+``prose`` words the verdict; this module writes ``summary.json`` (the analysis as JSON) and draws the plots
+and the HTML from it, so ``cartspec report --run DIR`` rebuilds the same report at any time.
 """
 
 from __future__ import annotations
@@ -15,9 +15,12 @@ from pathlib import Path
 from markupsafe import Markup
 
 from ..analysis.cost_model import PointPrediction
-from ..analysis.study import StudyAnalysis, StudyRow, analyse_run
+from ..analysis.models import StudyAnalysis, StudyRow
+from ..analysis.study import analyse_run
 from ..quality.models import QualityReport
 from .classes import by_class_html
+from .prose import with_prose
+from .quality import quality_html
 from .template import render_html
 
 
@@ -272,11 +275,9 @@ def render_report(analysis: StudyAnalysis, run_dir: str | Path) -> Report:
 
 
 def _quality_html(quality: QualityReport | None):
-    from ..quality.report import quality_html
-
     return Markup(quality_html(quality)) if quality else ""
 
 
 def build_report(run_dir: str | Path, target_rps: float | None = None, slo: float | None = None) -> Report:
     """Analyse a run directory and render its report (``cartspec report --run DIR``)."""
-    return render_report(analyse_run(run_dir, target_rps=target_rps, slo=slo), run_dir)
+    return render_report(with_prose(analyse_run(run_dir, target_rps=target_rps, slo=slo)), run_dir)

@@ -11,7 +11,7 @@ from rich.console import Console
 from ..cli_options import run_dir_option, target_rps_option
 
 if TYPE_CHECKING:
-    from ..analysis.study import StudyRow
+    from ..analysis.models import StudyRow
 
 console = Console(stderr=True)
 if not console.is_terminal:  # a log file or pipe gets whole lines and tables, not 80 squeezed columns

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import jinja2
 
-from .models import JudgeCalibration, QualityReport
-from .paired import TEST_NAME
+from ..quality.models import JudgeCalibration, QualityReport
+from ..quality.paired import TEST_NAME
 
 
 def _cal_text(cal: JudgeCalibration | None) -> str:
