@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,14 +31,10 @@ from pathlib import Path
 import httpx
 
 from cartspec.bench.loadgen import ChatRequest, LoadConfig, run_load
+from cartspec.results import percentile
+from cartspec.serving.server import free_port
 
 MSG = [{"role": "user", "content": "red trail runners under $120, size 10, no nike"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(tokens: int, ttft: float, itl: float) -> tuple[subprocess.Popen, str]:
@@ -70,7 +65,7 @@ def measure(url: str, concurrency: int, n: int) -> dict:
             "client_cpu_ms_per_request": 1000 * cpu / (n + min(concurrency, 8)),
             "ttft_p50_ms": 1000 * statistics.median(r.ttft for r in ok),
             "e2el_p50_ms": 1000 * statistics.median(r.e2el for r in ok),
-            "e2el_p99_ms": 1000 * sorted(r.e2el for r in ok)[int(0.99 * (len(ok) - 1))]}
+            "e2el_p99_ms": 1000 * percentile((r.e2el for r in ok), 99)}
 
 
 def main() -> None:
