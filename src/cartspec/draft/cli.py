@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -16,7 +15,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ..cli_options import (dtype_option, enforce_eager_option, force_option, replace_bundled_option,
                            served_name_option, server_api_key_env_option)
 from ..progress import LoggedProgress
-from .pipeline import HeadTrainingConfig, PointerTrainingConfig
+from .pipeline import (DraftPipelineError, HeadTrainingConfig, PointerTrainingConfig, build_head, build_pointer,
+                       check_drafters, hybrid_config)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="EAGLE-3 draft heads: train them for the served target, measure acceptance.")
@@ -77,8 +77,6 @@ def train(
     Under ``torchrun --nproc_per_node N`` the training runs data-parallel (DDP, or FSDP2 with ``--fsdp``; gloo
     on CPU, nccl on CUDA): rank 0 regenerates and captures the features, every rank trains on its share of
     each batch."""
-    from .pipeline import DraftPipelineError, build_head
-
     cfg = HeadTrainingConfig(kind=kind, target=target, out=out, prompts=prompts, limit=limit, sampled=sampled,
                              temperature=temperature, max_tokens=max_tokens, steps=steps, epochs=epochs,
                              ttt_steps=ttt_steps, draft_vocab=draft_vocab, lr=lr, batch_tokens=batch_tokens,
@@ -116,8 +114,6 @@ def pointer(
 
     It learns from the requests' replies (no generation: the replies are what the model was fine-tuned to
     write) in a few minutes on a CPU; the hybrid's rule ``pointer`` drafts its pick at every value start."""
-    from .pipeline import DraftPipelineError, build_pointer
-
     cfg = PointerTrainingConfig(target=target, prompts=prompts, dev=dev, out=out, epochs=epochs, lr=lr, seed=seed,
                                 replace_bundled=replace_bundled)
     try:
@@ -180,33 +176,17 @@ def acceptance(
     except MissingApiKey as exc:
         _fail(f"--server-api-key-env: {exc}")
     hybrid = None
-    if method == "hybrid":
-        from ..serving.hybrid import DEFAULT, HybridConfig
-
-        try:
-            hybrid = HybridConfig(n_min=lookup_min or DEFAULT.n_min, n_max=lookup_max or DEFAULT.n_max,
-                                  rule=rule or DEFAULT.rule, scope=scope or DEFAULT.scope, head_p=head_p)
-            if hybrid.rule == "pointer":
-                from ..model.registry import resolve_pointer
-
-                hybrid = replace(hybrid, pointer=str(resolve_pointer(pointer)))
-            elif pointer:
-                _fail("--pointer is a setting of --rule pointer")
-        except (ValueError, ModelNotFound) as exc:
-            _fail(str(exc))
-    elif any(x is not None for x in (lookup_min, lookup_max, rule, scope, pointer, head_p)):
-        _fail("settings of --method hybrid only: --lookup-min, --lookup-max, --rule, --scope, --pointer, --head-p")
-    if head:  # a head trained for another target than --target: refuse (or --force)
-        from ..model.registry import HeadMismatch, check_head, resolve_head, resolve_model
-
-        try:
-            check_head(resolve_head(head), resolve_model(target), force=force,
-                       warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
-            if hybrid is not None and hybrid.pointer:
-                check_head(Path(hybrid.pointer), resolve_model(target), force=force,
-                           warn=lambda m: console.print(f"[bold yellow]{m}[/]"), what="pointer")
-        except (HeadMismatch, ModelNotFound) as exc:
-            _fail(str(exc))
+    try:
+        if method == "hybrid":
+            hybrid = hybrid_config(lookup_min, lookup_max, rule, scope, head_p, pointer)
+        elif any(x is not None for x in (lookup_min, lookup_max, rule, scope, pointer, head_p)):
+            _fail("settings of --method hybrid only: --lookup-min, --lookup-max, --rule, --scope, --pointer, "
+                  "--head-p")
+        if head:  # a head trained for another target than --target: refuse (or --force)
+            check_drafters(head, target, hybrid.pointer if hybrid is not None else None, force=force,
+                           warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
+    except DraftPipelineError as exc:
+        _fail(str(exc))
     try:
         reqs = load_data(data, limit)
     except DataFileError as exc:

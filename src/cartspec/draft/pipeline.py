@@ -380,3 +380,44 @@ def build_pointer(cfg: PointerTrainingConfig, *, log: Log = _noop) -> PointerTra
                             target={"name": cfg.target, "digest": digest}, log=log)
     return PointerTrainingResult(out=out, examples=summary["examples"], seconds=summary["seconds"],
                                  last_epoch=summary["epochs"][-1])
+
+
+# --- what `draft acceptance` measures -------------------------------------------
+
+
+def hybrid_config(lookup_min: int | None = None, lookup_max: int | None = None, rule: str | None = None,
+                  scope: str | None = None, head_p: float | None = None, pointer: str | None = None) -> Any:
+    """The hybrid's ``HybridConfig`` from ``draft acceptance``'s settings (None: the default's), its pointer
+    resolved where the rule is ``pointer``. Raises DraftPipelineError for a setting it refuses."""
+    from dataclasses import replace
+
+    from ..model.convert import ModelNotFound
+    from ..serving.hybrid import DEFAULT, HybridConfig
+
+    try:
+        hybrid = HybridConfig(n_min=lookup_min or DEFAULT.n_min, n_max=lookup_max or DEFAULT.n_max,
+                              rule=rule or DEFAULT.rule, scope=scope or DEFAULT.scope, head_p=head_p)
+        if hybrid.rule == "pointer":
+            from ..model.registry import resolve_pointer
+
+            return replace(hybrid, pointer=str(resolve_pointer(pointer)))
+    except (ValueError, ModelNotFound) as exc:
+        raise DraftPipelineError(str(exc)) from exc
+    if pointer:
+        raise DraftPipelineError("--pointer is a setting of --rule pointer")
+    return hybrid
+
+
+def check_drafters(head: str, target: str, pointer: str | None = None, *, force: bool = False,
+                   warn: Log = _noop) -> None:
+    """Refuse a head (and the hybrid's pointer) trained for another target than ``target`` (``force``: warn
+    instead). Raises DraftPipelineError."""
+    from ..model.convert import ModelNotFound
+    from ..model.registry import HeadMismatch, check_head, resolve_head, resolve_model
+
+    try:
+        check_head(resolve_head(head), resolve_model(target), force=force, warn=warn)
+        if pointer:
+            check_head(Path(pointer), resolve_model(target), force=force, warn=warn, what="pointer")
+    except (HeadMismatch, ModelNotFound) as exc:
+        raise DraftPipelineError(str(exc)) from exc
