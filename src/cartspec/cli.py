@@ -12,7 +12,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from .cli_options import dtype_option, served_name_option, server_api_key_env_option
+from .cli_options import (dtype_option, model_option, served_name_option, server_api_key_env_option,
+                          structured_option)
 from .task.data import DataFileError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
@@ -109,13 +110,13 @@ def build_model(
 
 @app.command("eval-model")
 def eval_model(
-    model: str = typer.Option("commerce", help="base | commerce | PATH to an HF directory"),
+    model: str = model_option("model to score"),
     data: str = typer.Option("test", help="train | dev | test | FILE.jsonl"),
     out: Path = typer.Option(Path("runs/eval-model.json"), help="where the scores go"),
     server: Optional[str] = typer.Option(None, help="use a running OpenAI-compatible server at this URL"),
     served_name: str = served_name_option(default="cartspec"),
     server_api_key_env: Optional[str] = server_api_key_env_option(records="the scores file"),
-    structured: bool = typer.Option(False, help="constrain replies with vLLM structured outputs"),
+    structured: bool = structured_option(),
     concurrency: int = 16, max_tokens: int = 160, limit: Optional[int] = None,
     dtype: str = dtype_option(),
 ) -> None:

@@ -83,3 +83,8 @@ def target_rps_option(default_note: str = "") -> Any:
 def model_option(what: str = "target model", default: str = "commerce") -> Any:
     """``--model``/``--target``: a model by its registry name or directory (``model.registry.resolve_model``)."""
     return typer.Option(default, help=f"{what}: commerce | base | PATH to an HF directory")
+
+
+def structured_option(note: str = "") -> Any:
+    """``--structured``: replies constrained to the task's JSON schema by vLLM's structured outputs."""
+    return typer.Option(False, help=f"constrain replies to the task's JSON schema (vLLM structured outputs){note}")

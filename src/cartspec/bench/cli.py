@@ -12,7 +12,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TimeRemainingColumn)
 
 from ..cli_options import (QUALITY_METRICS, dtype_option, enforce_eager_option, force_option, model_option,
-                           served_name_option, server_api_key_env_option, target_rps_option)
+                           served_name_option, server_api_key_env_option, structured_option, target_rps_option)
 
 console = Console(stderr=True)
 if not console.is_terminal:  # a log file or pipe gets whole lines and tables, not 80 squeezed columns
@@ -109,7 +109,7 @@ def study(
     duration: Optional[float] = typer.Option(None, help="stop sending new requests in a point after this many seconds"),
     warmup: Optional[int] = typer.Option(None, help="warm-up requests per point (default min(concurrency, 8))"),
     max_tokens: Optional[int] = typer.Option(None, help="max output tokens per request"),
-    structured: bool = typer.Option(False, help="constrain replies to the task's JSON schema (vLLM structured outputs)"),
+    structured: bool = structured_option(),
     enforce_eager: bool = enforce_eager_option(),
     dtype: str = dtype_option(of="of every deployment"),
     slo: float = typer.Option(2.0, help="E2EL SLO in seconds for goodput and capacity"),

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from ..cli_options import (dtype_option, enforce_eager_option, force_option, replace_bundled_option,
+from ..cli_options import (dtype_option, enforce_eager_option, force_option, model_option, replace_bundled_option,
                            served_name_option, server_api_key_env_option)
 from ..progress import LoggedProgress
 from .pipeline import (DraftPipelineError, HeadTrainingConfig, PointerTrainingConfig, build_head, build_pointer,
@@ -143,7 +143,7 @@ def acceptance(
         None, "--head-p", help="hybrid: where a copy first differs from the head's draft and the head is at "
                                "least this sure of its own token, the head's draft stands (0 = off; default: "
                                "the rule's, 0.9 for pointer)"),
-    target: str = typer.Option("commerce", help="served model: commerce | base | PATH"),
+    target: str = model_option("served model"),
     limit: Optional[int] = typer.Option(None, help="first N requests only"),
     concurrency: int = typer.Option(8),
     max_tokens: int = typer.Option(192),
