@@ -76,6 +76,32 @@ def test_summarize_counts():
     assert bc["value_not_in_request"]["acceptance"] is None
 
 
+def test_acceptance_report_writes_the_measurement_and_loads_back(tmp_path):
+    """``draft acceptance --out`` writes an ``AcceptanceReport``: the keys the measurement gave (each mode its
+    own), no others, and the same values as the measurement's JSON; it loads back to the same report."""
+    import json
+
+    from cartspec.draft.acceptance import AcceptanceReport
+
+    steps = [[Step(3, 3, ["json_key"] * 3), Step(1, 3, ["json_structure", "value_copied", "json_key"])]]
+    simulated = {**summarize(steps, 3, {"json_key": 4}), "mode": "simulate", "method": "eagle3", "gamma": 3,
+                 "target": "/m", "head": None, "n": 1, "temperature": 0.0, "max_tokens": 64, "output_tokens": 6,
+                 "wall_s": 1.5, "engine": {"vllm": "x"}, "data": "dev", "head_name": "domain"}
+    served = {**summarize(steps, 3), "engine_counts": {"num_spec_steps": 2, "num_accepted_draft_tokens": 4,
+                                                       "num_draft_tokens": 6, "tau": 3.0, "acceptance_rate": 0.6667},
+              "replay_agrees_with_engine": "1/1 requests", "replies": [{"id": "r0", "token_ids": [1, 2],
+                                                                        "per_step_accepted": [3, 1]}],
+              "mode": "vllm", "concurrency": 8, "requests_without_step_metrics": 0, "output_tokens_per_s": 4.0,
+              "server": "http://h:8000", "served_name": "m", "server_api_key_env": "KEY"}
+    for res in (simulated, served):
+        path = AcceptanceReport.model_validate(res).save(tmp_path / f"{res['mode']}.json")
+        written = json.loads(path.read_text())
+        assert written == json.loads(json.dumps(res))  # the keys and values the dict was written with
+        assert AcceptanceReport.load(path) == AcceptanceReport.model_validate(res)
+    with pytest.raises(ValueError):
+        AcceptanceReport.model_validate({**served, "not_a_field": 1})
+
+
 def test_steps_from_vllm_alignment():
     classes = [f"c{k}" for k in range(10)]
     st = steps_from_vllm([2, 0, 3], [3, 3, 3], classes)

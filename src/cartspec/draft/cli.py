@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -161,7 +160,7 @@ def acceptance(
     from ..serving.endpoint import EndpointError, MissingApiKey, api_key_from_env
     from ..serving.server import DeploymentError
     from ..task.data import DataFileError
-    from .acceptance import load_data, measure_simulated, measure_vllm
+    from .acceptance import AcceptanceReport, load_data, measure_simulated, measure_vllm
 
     if method not in ("eagle3", "ngram", "hybrid"):
         _fail("--method must be eagle3, ngram or hybrid")
@@ -210,8 +209,7 @@ def acceptance(
     res["head_name"] = head
     if server_api_key_env:
         res["server_api_key_env"] = server_api_key_env  # the variable's name; the key is never written
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+    AcceptanceReport.model_validate(res).save(out)
     pp = " ".join(f"{x:.3f}" for x in res["per_position"])
     console.print(f"{res['mode']} {method}{'/' + head if head else ''} γ={gamma} n={res['n']}: "
                   f"τ={_fig(res['tau'])} acceptance={_fig(res['acceptance_rate'])} per-position [{pp}]")
