@@ -1,0 +1,51 @@
+"""The draft pipeline as functions (``draft/pipeline.py``): typed configs in, refusals before the slow part."""
+
+from __future__ import annotations
+
+import pytest
+
+from cartspec.draft.pipeline import (DraftPipelineError, HeadTrainingConfig, PointerTrainingConfig, build_head,
+                                     build_pointer, hybrid_config)
+
+
+def test_configs_round_trip_through_json(tmp_path):
+    head = HeadTrainingConfig(kind="domain", prompts="64", steps=3, out=tmp_path / "h")
+    assert HeadTrainingConfig.model_validate_json(head.model_dump_json()) == head
+    assert head.label == "domain" and head.target_name == "commerce"
+    assert HeadTrainingConfig(prompts="my.jsonl").label == "custom"
+    assert HeadTrainingConfig(kind="generic").target_name == "base"
+    pointer = PointerTrainingConfig(epochs=2)
+    assert PointerTrainingConfig.model_validate_json(pointer.model_dump_json()) == pointer
+    with pytest.raises(ValueError):
+        HeadTrainingConfig(epoch=2)  # a misspelt setting is refused, not ignored
+
+
+def test_build_head_refuses_before_anything_slow(tmp_path, monkeypatch):
+    from cartspec.model import registry
+
+    with pytest.raises(DraftPipelineError, match="--prompts FILE.jsonl"):
+        build_head(HeadTrainingConfig(target="x"))
+    with pytest.raises(DraftPipelineError, match="generic or domain"):
+        build_head(HeadTrainingConfig(kind="other"))
+    monkeypatch.setattr(registry, "resolve_model", lambda name: tmp_path)
+    monkeypatch.setattr(registry, "target_digest", lambda d: "0123456789abcdef")
+    with pytest.raises(DraftPipelineError, match="inside the bundled heads"):
+        build_head(HeadTrainingConfig(kind="domain", out=registry.HEADS_DIR / "domain", device="cpu"))
+
+
+def test_build_pointer_refuses_the_bundled_pointers(tmp_path, monkeypatch):
+    from cartspec.model import registry
+
+    monkeypatch.setattr(registry, "resolve_model", lambda name: tmp_path)
+    monkeypatch.setattr(registry, "target_digest", lambda d: "0123456789abcdef")
+    with pytest.raises(DraftPipelineError, match="inside the bundled pointers"):
+        build_pointer(PointerTrainingConfig(out=registry.POINTERS_DIR / "commerce"))
+
+
+def test_hybrid_config_from_acceptance_settings():
+    from cartspec.serving.hybrid import DEFAULT
+
+    assert hybrid_config() == DEFAULT
+    assert hybrid_config(lookup_max=DEFAULT.n_max + 1).n_max == DEFAULT.n_max + 1
+    with pytest.raises(DraftPipelineError, match="--rule pointer"):
+        hybrid_config(rule="lookup", pointer="commerce")
