@@ -124,3 +124,32 @@ def test_keeper_restarts_a_deployment_that_died(tmp_path):
         finally:
             keeper.stopping.set()
             keeper.join(5)
+
+
+def test_serve_adaptive_without_a_cached_schedule_calibrates_into_the_tuning_cache(monkeypatch, tmp_path):
+    """``serve --adaptive`` has no study run of its own: the schedule cached for this machine, else a calibration
+    run into its own directory of the tuning cache (then cached, so the next serve starts at once)."""
+    from cartspec.agent.cli import adaptive_schedule
+    from cartspec.agent.defaults import adaptive_request
+    from cartspec.bench import adaptive
+    from cartspec.serving.spec import DeploymentSpec, Speculative
+    from synthetic_sweep import sweep
+
+    monkeypatch.setenv("CARTSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(adaptive, "cache_key", lambda spec: "k")  # no real model resolved in a unit test
+    calibrated = []
+
+    def calibrate(spec, cal_dir, launcher=None, reporter=None):
+        calibrated.append(cal_dir)
+        return sweep(concurrencies=(1, 4, 16), temperatures=(0.0,), deployments=(("none", 0), ("eagle3", 5)))
+
+    monkeypatch.setattr(adaptive, "run_calibration", calibrate)
+    spec = adaptive_request(DeploymentSpec(speculative=Speculative(method="eagle3", model="domain",
+                                                                   num_speculative_tokens=3), dtype="float32"))
+    first = adaptive_schedule(spec)
+    assert calibrated == [adaptive.tune_dir() / "calibrate-k"] and first.speculative.schedule
+    again = adaptive_schedule(spec)  # cached now: no second calibration
+    assert len(calibrated) == 1 and again.speculative.schedule == first.speculative.schedule
+    with pytest.raises(ValueError, match="--adaptive needs an EAGLE-3 head"):
+        adaptive_request(DeploymentSpec(speculative=Speculative(method="hybrid", model="domain",
+                                                                num_speculative_tokens=3)))
