@@ -140,6 +140,27 @@ def test_an_old_results_file_loads_into_the_new_names():
     assert AcceptanceStats.model_validate(acc.model_dump()) == acc
 
 
+def test_a_point_gives_the_deployment_spec_it_was_measured_with_typed():
+    """``measured_spec``: the stored runs' specs (kept as the JSON they were written with, so their keys hold)
+    read as serving's ``DeploymentSpec``; no spec (an external endpoint): None; one this version cannot
+    read: an error naming the point."""
+    from cartspec.analysis.specs import measured_spec
+    from cartspec.results import PointConfig, load_results
+    from cartspec.serving.spec import DeploymentSpec
+
+    for p in load_results(DATA):
+        spec = measured_spec(p.config)
+        assert isinstance(spec, DeploymentSpec) and spec.dtype == p.config.spec["dtype"] == "float32"
+        assert spec.speculative.method == p.config.method
+        assert spec.speculative.adaptive == p.config.deployment.endswith("-auto")
+        assert not spec.speculative.adaptive or spec.speculative.schedule
+    assert measured_spec(PointConfig(deployment="endpoint", method="none", n_requests=1)) is None
+    odd = PointConfig(deployment="odd", method="eagle3", concurrency=2, n_requests=1,
+                      spec={"speculative": {"method": "eagle3", "num_speculative_tokens": 3}})  # no head
+    with pytest.raises(ValueError, match="odd at c=2"):
+        measured_spec(odd)
+
+
 def test_acceptance_is_undefined_without_drafts_and_pools_by_counts():
     from cartspec.results import AcceptanceStats
 
@@ -180,7 +201,10 @@ def _sliced(deployment: str, method: str, gamma: int | None, throughputs: list[f
     with ``beside``."""
     from cartspec.results import PointConfig, PointResult, PointSlice, RequestRecord
 
-    spec = {"speculative": {"method": method, "adaptive": schedule is not None, "schedule": schedule}}
+    gammas = [gamma or 0] + [k for *_, k in schedule or []]
+    spec = {"speculative": {"method": method, "adaptive": schedule is not None, "schedule": schedule}
+            if method == "none" else {"method": method, "num_speculative_tokens": max(max(gammas), 1),
+                                      "model": "domain", "adaptive": schedule is not None, "schedule": schedule}}
     cfg = PointConfig(deployment=deployment, method=method, gamma=gamma, spec=spec, concurrency=4,
                       n_requests=8 * len(throughputs), rounds=len(throughputs))
     slices = [PointSlice(wall_s=100 / t, n_requests=8, output_tokens=100) for t in throughputs]

@@ -96,6 +96,8 @@ class PointConfig(BaseModel):
     method: str
     gamma: int | None = None
     head: str | None = None
+    # kept as the JSON it was written with: the key below is its digest (serving's type sits above this
+    # layer); ``analysis.specs.measured_spec`` reads it as a DeploymentSpec
     spec: dict[str, Any] = Field(default_factory=dict, description="the DeploymentSpec, as JSON")
     mode: Literal["closed", "open"] = "closed"
     concurrency: int | None = Field(None, ge=1, description="closed loop: requests in flight")

@@ -6,6 +6,7 @@ from ..results import PointResult
 from ..serving.spec import schedule_gamma
 from .models import AdaptiveRow, StudyRow
 from .rows import slice_ratio_ci
+from .specs import measured_spec
 
 
 def adaptive_table(rows: list[StudyRow], results: list[PointResult]) -> list[AdaptiveRow]:
@@ -19,8 +20,8 @@ def adaptive_table(rows: list[StudyRow], results: list[PointResult]) -> list[Ada
     misses about half the time. Beside it, the adaptive point over the fixed deployment that runs the same
     γ (``vs_same_gamma``): where the schedule's choice equals a fixed row's, that ratio is the noise
     between two servers doing the same work, the yardstick for reading the others."""
-    schedules = {r.config.deployment: (r.config.spec.get("speculative") or {}).get("schedule")
-                 for r in results if r.config.spec.get("speculative", {}).get("adaptive")}
+    specs = {r.config.deployment: measured_spec(r.config) for r in results}
+    schedules = {d: s.speculative.schedule for d, s in specs.items() if s and s.speculative.adaptive}
     by_key = {r.key: r for r in results}
     ok = [r for r in rows if r.ok and r.output_throughput]
     out = []

@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from ..draft.classes import CLASSES
 from ..results import PointResult
 from ..task.request_sets import load_request_set
+from .specs import measured_spec
 
 
 class ClassAcceptance(BaseModel):
@@ -54,7 +55,8 @@ def _model_dir(r: PointResult) -> str | None:
     d = r.deployment
     if d is not None and d.versions.get("model_dir") and Path(d.versions["model_dir"]).is_dir():
         return d.versions["model_dir"]
-    model = (r.config.spec or {}).get("model")
+    spec = measured_spec(r.config)
+    model = spec.model if spec else None
     if model is None:
         return None
     try:

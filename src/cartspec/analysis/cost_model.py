@@ -45,6 +45,7 @@ from pydantic import BaseModel, Field, computed_field
 
 from ..results import PointResult
 from ..config_files import FileModel
+from .specs import measured_spec
 
 #: Methods whose drafts come from a model forward: the ones this cost model describes.
 MODEL_DRAFTERS = ("eagle3", "draft_model", "hybrid")  # hybrid: EAGLE-3 forwards + a CPU lookup
@@ -145,8 +146,8 @@ def in_flight(r: PointResult) -> float:
 
 
 def has_schedule(r: PointResult) -> bool:
-    sp = (r.config.spec or {}).get("speculative") or {}
-    return bool(sp.get("schedule")) or bool(sp.get("adaptive"))
+    spec = measured_spec(r.config)
+    return bool(spec and (spec.speculative.schedule or spec.speculative.adaptive))
 
 
 def exclusion(r: PointResult) -> str | None:
@@ -237,7 +238,7 @@ def describe_machine(results: Iterable[PointResult]) -> str:
     seen: list[str] = []
     for r in results:
         m = r.machine
-        dtype = (r.config.spec or {}).get("dtype")
+        dtype = spec.dtype if (spec := measured_spec(r.config)) else None
         parts = []
         if m:
             parts.append(f"{m.cpu}, {m.cores} cores, {m.memory_gib:g} GiB ({m.hostname})")

@@ -7,6 +7,7 @@ from typing import Sequence
 
 from ..results import PointResult, baselines, comparison_key, matched_records
 from .models import QualityTest, StudyRow
+from .specs import measured_spec
 
 
 def baseline_agreement(r: PointResult, b: PointResult) -> float | None:
@@ -58,6 +59,7 @@ def study_rows(results: list[PointResult]) -> list[StudyRow]:
     for r in sorted(results, key=lambda r: (r.config.deployment, r.config.request_set, r.config.temperature,
                                             r.config.load_value)):
         c = r.config
+        spec = measured_spec(c)
         b = base.get(comparison_key(c))
         ok = r.status == "ok"
         speedup = (r.output_throughput / b.output_throughput
@@ -67,7 +69,7 @@ def study_rows(results: list[PointResult]) -> list[StudyRow]:
         rows.append(StudyRow(
             deployment=c.deployment, method=c.method, gamma=c.gamma, head=c.head, mode=c.mode,
             concurrency=c.concurrency, rate=c.rate, temperature=c.temperature, request_set=c.request_set,
-            dtype=(c.spec or {}).get("dtype"), status=r.status, reason=r.reason,
+            dtype=spec.dtype if spec else None, status=r.status, reason=r.reason,
             n_requests=r.n_requests, n_errors=r.n_errors, wall_s=r.wall_s,
             output_throughput=r.output_throughput, request_throughput=r.request_throughput,
             goodput=r.goodput, slo_attainment=r.slo_attainment,

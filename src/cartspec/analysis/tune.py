@@ -56,6 +56,7 @@ from pydantic import BaseModel, Field
 from ..results import PointResult
 from ..config_files import FileModel
 from ..serving.spec import DeploymentSpec, Speculative
+from .specs import measured_spec
 from .cost_model import (CALIBRATE_HINT, MODEL_DRAFTERS, CostModel, Observation, acceptance_for, exclusion,
                          fit_cost_model, observations)
 
@@ -469,7 +470,7 @@ def base_spec(results: Iterable[PointResult], head: str) -> DeploymentSpec:
     for r in results:
         if r.config.head == head and r.config.spec:
             try:
-                return DeploymentSpec.model_validate(r.config.spec).model_copy(update={"speculative": Speculative()})
+                return measured_spec(r.config).model_copy(update={"speculative": Speculative()})
             except ValueError:
                 continue
     return DeploymentSpec()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..paths import config_digest, home
+from ..analysis.specs import measured_spec
 from ..serving.spec import DeploymentSpec
 from ..results import PointResult, load_results
 
@@ -89,9 +90,9 @@ def resolve_adaptive(spec: DeploymentSpec, run_dir: Path | None,
         return spec
     results = load_results(run_dir) if run_dir is not None else []
     for r in reversed(results):  # a resumed run keeps the schedule its first points were measured with
-        was = (r.config.spec or {}).get("speculative") or {}
-        if r.config.deployment == spec.label and was.get("adaptive") and was.get("schedule"):
-            schedule = [tuple(s) for s in was["schedule"]]
+        was = measured_spec(r.config)
+        if r.config.deployment == spec.label and was and was.speculative.adaptive and was.speculative.schedule:
+            schedule = [tuple(s) for s in was.speculative.schedule]
             log(f"adaptive {sp.label}: schedule {schedule}, as this run's earlier points were measured with")
             return adaptive_spec(spec, schedule)
     key = cache_key(spec)
