@@ -71,7 +71,17 @@ def _xlabel(rows) -> str:
     return "concurrency (requests in flight)" if all(r.mode == "closed" for r in rows) else "arrival rate (req/s)"
 
 
-def plots(rows: list[StudyRow], slo: float) -> list[dict[str, str]]:
+@dataclass
+class Figure:
+    """One plot of the report: an inline PNG with its anchor, title and caption."""
+
+    id: str
+    title: str
+    caption: str
+    src: str
+
+
+def plots(rows: list[StudyRow], slo: float) -> list[Figure]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,19 +117,19 @@ def plots(rows: list[StudyRow], slo: float) -> list[dict[str, str]]:
         fig.suptitle(title)
         return fig
 
-    figs.append({"title": "Output throughput vs load", "id": "throughput",
-                 "caption": "Output tokens per second of wall time, per deployment.",
-                 "src": _png(line_panels("output_throughput", "Output throughput", "tokens/s"))})
-    figs.append({"title": "E2EL p50 (solid) and p99 (dashed) vs load", "id": "latency",
-                 "caption": f"End-to-end latency per request; the red line is the {slo:g} s SLO.",
-                 "src": _png(line_panels("e2el_p50", "E2EL p50 / p99", "seconds", second="e2el_p99",
-                                         extra=lambda ax: ax.axhline(slo, color="red", lw=0.8)))})
-    figs.append({"title": "TTFT p50 (solid, left) and TPOT p50 (dashed, right) vs load", "id": "ttft-tpot",
-                 "caption": "TTFT is start → first content chunk; TPOT is (E2EL − TTFT)/(tokens − 1).",
-                 "src": _png(_ttft_tpot(ok, colours, xl))})
-    figs.append({"title": f"Goodput under the {slo:g} s E2EL SLO", "id": "goodput",
-                 "caption": "Requests per second that met the SLO (errors never do).",
-                 "src": _png(line_panels("goodput", "Goodput", "req/s"))})
+    figs.append(Figure(title="Output throughput vs load", id="throughput",
+                       caption="Output tokens per second of wall time, per deployment.",
+                       src=_png(line_panels("output_throughput", "Output throughput", "tokens/s"))))
+    figs.append(Figure(title="E2EL p50 (solid) and p99 (dashed) vs load", id="latency",
+                       caption=f"End-to-end latency per request; the red line is the {slo:g} s SLO.",
+                       src=_png(line_panels("e2el_p50", "E2EL p50 / p99", "seconds", second="e2el_p99",
+                                            extra=lambda ax: ax.axhline(slo, color="red", lw=0.8)))))
+    figs.append(Figure(title="TTFT p50 (solid, left) and TPOT p50 (dashed, right) vs load", id="ttft-tpot",
+                       caption="TTFT is start → first content chunk; TPOT is (E2EL − TTFT)/(tokens − 1).",
+                       src=_png(_ttft_tpot(ok, colours, xl))))
+    figs.append(Figure(title=f"Goodput under the {slo:g} s E2EL SLO", id="goodput",
+                       caption="Requests per second that met the SLO (errors never do).",
+                       src=_png(line_panels("goodput", "Goodput", "req/s"))))
 
     spec = [r for r in ok if r.speedup_vs_baseline is not None and r.method != "none"]
     if spec:
@@ -152,9 +162,9 @@ def plots(rows: list[StudyRow], slo: float) -> list[dict[str, str]]:
             ax.set_title(f"T={temp:g}")
             fig.colorbar(im, ax=ax, shrink=0.8)
         fig.suptitle("Speedup over baseline (output throughput ratio; >1 is faster)")
-        figs.append({"title": "Speedup heatmap: γ × load × temperature", "id": "speedup",
-                     "caption": "Each cell: deployment's output throughput / baseline's at the same load and T.",
-                     "src": _png(fig)})
+        figs.append(Figure(title="Speedup heatmap: γ × load × temperature", id="speedup",
+                           caption="Each cell: deployment's output throughput / baseline's at the same load and T.",
+                           src=_png(fig)))
 
     acc = [r for r in ok if r.acceptance_per_position and r.method != "none"]
     if acc:
@@ -187,9 +197,9 @@ def plots(rows: list[StudyRow], slo: float) -> list[dict[str, str]]:
         ax2.set_ylabel("accepted / proposed")
         ax2.set_title(f"Acceptance rate vs load (T={temp0:g})" if temp0 is not None else "Acceptance rate")
         ax2.grid(alpha=0.3)
-        figs.append({"title": "Acceptance", "id": "acceptance",
-                     "caption": "From vLLM's /metrics counters, differenced around each point (warm-up excluded).",
-                     "src": _png(fig)})
+        figs.append(Figure(title="Acceptance", id="acceptance",
+                           caption="From vLLM's /metrics counters, differenced around each point (warm-up excluded).",
+                           src=_png(fig)))
     return figs
 
 
