@@ -49,3 +49,21 @@ def test_hybrid_config_from_acceptance_settings():
     assert hybrid_config(lookup_max=DEFAULT.n_max + 1).n_max == DEFAULT.n_max + 1
     with pytest.raises(DraftPipelineError, match="--rule pointer"):
         hybrid_config(rule="lookup", pointer="commerce")
+
+
+def test_draft_pointer_trains_into_the_directory_it_names(tiny_llama_dir, tmp_path):
+    """`cartspec draft pointer` end to end on a tiny target: options -> PointerTrainingConfig -> build_pointer."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from cartspec.cli import app
+    from cartspec.model.registry import target_digest
+
+    out = tmp_path / "ptr"
+    res = CliRunner().invoke(app, ["draft", "pointer", "--target", str(tiny_llama_dir), "--prompts", "24",
+                                   "--dev", "0", "--epochs", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "pointer" in res.output and str(out) in " ".join(res.output.split())
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["cartspec"]["target"] == {"name": str(tiny_llama_dir), "digest": target_digest(tiny_llama_dir)}
