@@ -105,7 +105,7 @@ def print_tune(res) -> None:
                 if g:
                     ci = ch.interval.get(g)
                     parts.append(("" if kk else f"γ={g} ") + f"×{ch.speedup[g]:.2f} "
-                                 + (f"(95% {ci[0]:.2f}–{ci[1]:.2f})" if ci else "(no interval)"))
+                                 + (f"(95% {ci[0]:.2f}–{ci[1]:.2f})" if ci else "(no interval)") + f" at {at}")
             rng = "; ".join(parts) if kk else "×1.00" + (f" (best: {'; '.join(parts)})" if parts else "")
             basis = ("measured at " + ",".join(map(str, loads)) if loads else "not measured: plain decoding")
         else:
