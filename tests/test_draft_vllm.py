@@ -59,3 +59,10 @@ def test_vllm_serves_our_head_and_accepts_its_tokens(tiny_llama_dir, tmp_path, m
                             enforce_eager=True)
     assert sim["tau"] > 1.0
     assert abs(sim["tau"] - real["tau"]) / real["tau"] < 0.15, (sim["tau"], real["tau"])
+    # what `draft acceptance --out` writes: each measurement as an AcceptanceReport, its keys and values kept
+    from cartspec.draft.acceptance import AcceptanceReport
+
+    for res in (real, sim):
+        path = AcceptanceReport.model_validate(res).save(tmp_path / f"{res['mode']}-report.json")
+        assert json.loads(path.read_text()) == json.loads(json.dumps(res))
+        assert AcceptanceReport.load(path).tau == res["tau"]
