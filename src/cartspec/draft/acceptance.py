@@ -17,7 +17,6 @@ run metadata; ``cartspec draft acceptance`` writes it as an ``AcceptanceReport``
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence

@@ -9,7 +9,6 @@ in the run directory; the analysis reads it from there into ``summary.json`` (``
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
