@@ -523,3 +523,21 @@ def test_the_cli_refuses_restart_rounds_without_rounds_to_restart_between(tmp_pa
                                    "--interleave", "2", "--restart-rounds"])
     assert res.exit_code == 2 and "--rounds 2 or more" in " ".join(res.output.split())
     assert not (tmp_path / "results.jsonl").exists()
+
+
+def test_study_plan_from_settings_refuses_and_warns_before_anything_starts():
+    from cartspec.bench.study import StudySettings, StudySetupError, study_plan
+
+    warned: list[str] = []
+    settings = StudySettings(deployments=["baseline", "ngram:3"], concurrencies=[1, 2], rounds=2, interleave=1)
+    plan = study_plan(settings, warn=warned.append)
+    assert [d.label for d in plan.deployments] == ["baseline", "ngram-g3"] and plan.concurrencies == [1, 2]
+    assert plan.rounds == 2 and any("--rounds without --interleave" in w for w in warned)
+    with pytest.raises(StudySetupError, match="--restart-rounds"):
+        study_plan(StudySettings(deployments=["baseline"], restart_rounds=True, rounds=1))
+    with pytest.raises(StudySetupError, match="the one deployment behind it"):
+        study_plan(StudySettings(server="http://127.0.0.1:9", deployments=["baseline", "ngram:3"]))
+    with pytest.raises(StudySetupError, match="give --server too"):
+        study_plan(StudySettings(server_api_key_env="CARTSPEC_TEST_KEY"))
+    external = study_plan(StudySettings(server="http://127.0.0.1:9", served_name="m"))
+    assert external.server_url == "http://127.0.0.1:9" and [d.model for d in external.deployments] == ["m"]

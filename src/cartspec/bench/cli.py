@@ -141,82 +141,25 @@ def study(
     """Run the speculative-decoding study (sweep, then report) and print a verdict."""
     from ..report.build import build_report
     from ..report.cli import print_table
-    from ..serving.endpoint import MissingApiKey, api_key_from_env
-    from ..serving.spec import DeploymentSpec
-    from .sweep import parse_deployment, preset as make_preset, run_sweep
+    from .study import StudySettings, StudySetupError, study_plan
+    from .sweep import run_sweep
 
-    if server_api_key_env:
-        if not server:
-            console.print("[bold red]error:[/] --server-api-key-env is the key of --server: give --server too")
-            raise typer.Exit(2)
-        try:  # checked now, not when the first point is measured
-            api_key_from_env(server_api_key_env)
-        except MissingApiKey as exc:
-            console.print(f"[bold red]error:[/] --server-api-key-env: {exc}")
-            raise typer.Exit(2)
+    def items(text: Optional[str]) -> list[str] | None:
+        return [x.strip() for x in text.split(",") if x.strip()] if text else None
+
+    settings = StudySettings(
+        preset=preset, model=model, server=server, served_name=served_name, server_api_key_env=server_api_key_env,
+        deployments=items(deployments), spec_files=items(spec_files), concurrencies=_ints(concurrency),
+        rates=_floats(rates), temperatures=_floats(temperatures),
+        request_sets=[x.strip() for x in request_sets.split(",")] if request_sets else None, requests=requests,
+        requests_per_stream=requests_per_stream, min_requests=min_requests, duration=duration, warmup=warmup,
+        max_tokens=max_tokens, structured=structured, enforce_eager=enforce_eager, dtype=dtype, slo=slo, seed=seed,
+        samples=samples, force=force, interleave=interleave, rounds=rounds, restart_rounds=restart_rounds)
     try:
-        plan = make_preset(preset, model)
-    except ValueError as exc:
+        plan = study_plan(settings, warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
+    except StudySetupError as exc:
         console.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2)
-    if deployments:
-        try:
-            plan.deployments = [parse_deployment(d.strip(), model) for d in deployments.split(",") if d.strip()]
-        except ValueError as exc:
-            console.print(f"[bold red]error:[/] {exc}")
-            raise typer.Exit(2)
-    if spec_files:
-        try:
-            plan.deployments += [DeploymentSpec.load(f.strip()) for f in spec_files.split(",") if f.strip()]
-        except (OSError, ValueError) as exc:
-            console.print(f"[bold red]error:[/] --spec: {exc}")
-            raise typer.Exit(2)
-    if server:
-        # An endpoint we do not start: --deployments (one) only says what it runs, for labels.
-        if deployments and len(plan.deployments) != 1:
-            console.print("[bold red]error:[/] with --server, --deployments names the one deployment behind it")
-            raise typer.Exit(2)
-        plan.server_url, plan.served_name = server, served_name
-        plan.deployments = plan.deployments if deployments else [DeploymentSpec(model=served_name or "server")]
-    if enforce_eager:
-        plan.deployments = [d.model_copy(update={"enforce_eager": True}) for d in plan.deployments]
-    if not server:  # a head trained for another target than the served one: refuse before starting anything
-        from ..model.registry import HeadMismatch, check_spec_head
-
-        try:
-            for d in plan.deployments:
-                check_spec_head(d, force=force, warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
-        except HeadMismatch as exc:
-            console.print(f"[bold red]error:[/] {exc}")
-            raise typer.Exit(2)
-    if not server:  # an endpoint we do not start runs whatever dtype it runs
-        # an explicit --dtype wins; otherwise a spec file's own dtype does, and "auto" is picked here
-        plan.deployments = [(d.model_copy(update={"dtype": dtype}) if dtype != "auto" else d).resolved()
-                            for d in plan.deployments]
-    plan.concurrencies = _ints(concurrency) or plan.concurrencies
-    plan.rates = _floats(rates) or plan.rates
-    plan.temperatures = _floats(temperatures) or plan.temperatures
-    plan.request_sets = [s.strip() for s in request_sets.split(",")] if request_sets else plan.request_sets
-    plan.n_requests = requests or plan.n_requests
-    plan.requests_per_stream = requests_per_stream or plan.requests_per_stream
-    plan.min_requests = min_requests or plan.min_requests
-    plan.duration_s = duration or plan.duration_s
-    plan.warmup = warmup if warmup is not None else plan.warmup
-    plan.max_tokens = max_tokens or plan.max_tokens
-    plan.structured = structured
-    plan.slo_e2el_s = slo
-    plan.seed = seed
-    plan.samples = samples
-    plan.interleave = interleave or plan.interleave
-    plan.rounds = rounds or plan.rounds
-    plan.restart_rounds = restart_rounds or plan.restart_rounds
-    if plan.restart_rounds and (plan.rounds < 2 or plan.interleave < 2 or server):
-        console.print("[bold red]error:[/] --restart-rounds restarts the servers of an interleaved study between "
-                      "its rounds: give --rounds 2 or more and --interleave 2 or more, without --server")
-        raise typer.Exit(2)
-    if plan.rounds > 1 and (plan.interleave < 2 or server):
-        console.print("[bold yellow]--rounds without --interleave: the slices of each deployment follow one "
-                      "another, so no ratio gets an interval; add --interleave 2 or more[/]")
     out = out or Path("runs") / f"study-{preset}"
     n_points = len(plan.all_points())
     if not server:
