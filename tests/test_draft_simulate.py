@@ -167,3 +167,15 @@ def test_a_replayed_hybrid_step_records_what_the_head_alone_would_have_had_accep
     assert key["head_alone_acceptance"] == pytest.approx(1 / 3)
     # the head alone (no adjust): no paired fields
     assert "head_alone" not in summarize([simulate_sequence(pred, tokens, 2, 3, ["json_key"] * 5)], 3)["by_class"]["json_key"]
+
+
+def test_an_acceptance_report_keeps_replies_of_requests_without_an_id(tmp_path):
+    """A user's prompt file has no ids: its replies are written with ``"id": null`` and load back."""
+    from cartspec.draft.acceptance import AcceptanceReport
+
+    rep = AcceptanceReport.model_validate({"tau": 2.0, "replies": [{"id": None, "token_ids": [1, 2],
+                                                                     "per_step_accepted": [1]}]})
+    out = tmp_path / "acc.json"
+    rep.save(out)
+    back = AcceptanceReport.load(out)
+    assert back.replies[0].id is None and back.replies[0].token_ids == [1, 2]

@@ -64,7 +64,7 @@ class EngineCounts(_Written):
 class ReplySteps(_Written):
     """One reply's tokens and the drafts accepted at each of its verify steps."""
 
-    id: str = ""
+    id: str | None = None  # a user's request lines may carry no id
     token_ids: list[int] = Field(default_factory=list)
     per_step_accepted: list[int] | None = None
 
