@@ -44,7 +44,7 @@ def export(
         console.print(f"[bold red]error:[/] cannot export {spec}: {exc}", soft_wrap=True)
         raise typer.Exit(2)
     files = write_export(ex, out or Path("runs/export") / spec.stem, source=str(spec))
-    for note in ex.caveats:
+    for note in [*ex.caveats, *ex.here]:
         console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     console.print(f"[green]{ex.spec.label}[/] on {ex.device} ({ex.image}):")
     for f in files:

