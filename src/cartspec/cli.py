@@ -136,6 +136,7 @@ def _register_stages() -> None:
     from .analysis.cli import register as register_analysis
     from .bench.cli import register as register_bench
     from .draft.cli import app as draft_app
+    from .model.heads_cli import register as register_heads
     from .quality.cli import register as register_quality
     from .report.cli import register as register_report
     from .serving.cli import register as register_serving
@@ -147,6 +148,7 @@ def _register_stages() -> None:
     register_analysis(app)  # tune
     register_quality(app)  # quality
     register_serving(app)  # export
+    register_heads(app)  # heads list|show|promote|rollback
 
 
 _register_stages()

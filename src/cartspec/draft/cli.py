@@ -224,3 +224,14 @@ def acceptance(
 def _fig(value: float | None) -> str:
     """A figure to three decimals; "—" when it is undefined (nothing was drafted)."""
     return "—" if value is None else f"{value:.3f}"
+
+
+def _register_more() -> None:
+    from .gate_cli import register as register_gate
+    from .refresh_cli import register as register_refresh
+
+    register_refresh(app)  # draft refresh
+    register_gate(app)  # draft gate
+
+
+_register_more()
