@@ -234,7 +234,19 @@ def matching_bundled_head(model_dir: Path) -> str | None:
 
 
 def resolve_head(name: str) -> Path:
-    """``domain`` / ``generic`` (bundled EAGLE-3 heads) or a path to a head directory."""
+    """A head registry's current version (``NAME``, where ``$CARTSPEC_HOME/heads/NAME/versions/`` exists) or
+    one of its versions (``NAME@v0002``); else ``domain`` / ``generic`` (bundled EAGLE-3 heads) or a path to a
+    head directory."""
+    from .heads import resolve_registered
+
+    registered = resolve_registered(str(name))
+    if registered is not None:
+        return registered.path
+    return resolve_plain_head(name)
+
+
+def resolve_plain_head(name: str) -> Path:
+    """``domain`` / ``generic`` (bundled EAGLE-3 heads) or a path to a head directory, never a registry."""
     if name in ("domain", "generic"):
         path = HEADS_DIR / name
         if not (path / "config.json").exists():
