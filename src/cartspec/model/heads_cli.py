@@ -1,9 +1,240 @@
-"""Placeholder: filled in by the work on issue 31 (head life after launch)."""
+"""``cartspec heads``: the versions of a registered draft head (add, list, show, promote, roll back)."""
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
 import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+if not console.is_terminal:  # a log file or pipe gets whole lines and tables, not 80 squeezed columns
+    console = Console(stderr=True, width=170)
+out = Console()
+if not out.is_terminal:
+    out = Console(width=170)
+
+heads_app = typer.Typer(no_args_is_help=True, help="Versioned draft heads under $CARTSPEC_HOME/heads/NAME/: "
+                                                    "add, list, show, promote, roll back.")
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def _registry(name: str, must_exist: bool = True) -> Any:
+    from .heads import HeadRegistry, HeadRegistryError
+
+    try:
+        reg = HeadRegistry(name)
+    except HeadRegistryError as exc:
+        _fail(str(exc))
+    if must_exist and not reg.exists():
+        _fail(f"no head registry {name!r} in {reg.root}: register a head with `cartspec heads add {name} HEAD_DIR` "
+              f"(registries: {', '.join(_registry_names()) or 'none'})")
+    return reg
+
+
+def _registry_names() -> list[str]:
+    from .heads import default_root
+
+    root = default_root()
+    return sorted(d.name for d in root.iterdir() if (d / "versions").is_dir()) if root.exists() else []
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime(ts)) if ts else "-"
+
+
+def gate_summary(gate: dict[str, Any] | None) -> tuple[str, str]:
+    """(decision, τ figures) of a gate.json for a table cell: the decision as written, and every τ figure
+    found at its top level or under ``figures``."""
+    if not gate:
+        return "-", "-"
+    decision = gate.get("decision")
+    if decision is None and "eligible" in gate:
+        decision = "eligible" if gate["eligible"] else "not eligible"
+    figs = {**(gate.get("figures") or {}), **gate} if isinstance(gate.get("figures"), dict) else gate
+    taus = [f"{k}={v:.3f}" for k, v in figs.items() if "tau" in k.lower() and isinstance(v, (int, float))
+            and not isinstance(v, bool)]
+    return str(decision if decision is not None else "?"), " ".join(taus) or "-"
+
+
+@heads_app.command("add")
+def add(
+    name: str = typer.Argument(..., help="registry name (created when new)"),
+    head_dir: str = typer.Argument(..., help="a head directory, or a bundled head: domain, generic"),
+    current: bool = typer.Option(False, "--current", help="make this version current at once (the first version "
+                                                          "of a registry always is)"),
+    force: bool = typer.Option(False, "--force", help="register a head pinned to another target than current's"),
+    reason: Optional[str] = typer.Option(None, help="recorded in the registry's events"),
+) -> None:
+    """Register an existing head directory as a new version of NAME (copied into the registry)."""
+    from .convert import ModelNotFound
+    from .heads import HeadRegistryError
+    from .registry import resolve_plain_head
+
+    reg = _registry(name, must_exist=False)
+    try:
+        src = resolve_plain_head(head_dir)
+    except ModelNotFound as exc:
+        _fail(str(exc))
+    prov: dict[str, Any] = {"command": "cartspec heads add " + " ".join([name, head_dir] + ["--current"] * current
+                                                                         + ["--force"] * force)}
+    if reason:
+        prov["reason"] = reason
+    try:
+        v = reg.add(src, provenance=prov, status="current" if current else "candidate", force=force)
+    except (HeadRegistryError, ModelNotFound) as exc:
+        _fail(str(exc))
+    console.print(f"[green]added[/] {v.ref} ({v.status}, target {v.target_digest or '?'}) <- {src}")
+    console.print(f"  --head {v.ref} serves this version; --head {name} serves the current one")
+
+
+@heads_app.command("list")
+def list_(name: Optional[str] = typer.Argument(None, help="one registry (default: all)")) -> None:
+    """The versions of every registry (or of NAME): status, parent, target digest, gate decision."""
+    from rich import box
+    from rich.table import Table
+
+    names = [name] if name else _registry_names()
+    if name:
+        _registry(name)
+    if not names:
+        from .heads import default_root
+
+        console.print(f"no head registries in {default_root()}: register one with `cartspec heads add NAME HEAD_DIR`")
+        return
+    t = Table(title="draft head versions", box=box.SIMPLE_HEAD)
+    for col in ("name", "version", "status", "created (UTC)", "parent", "target", "gate", "τ (gate)"):
+        t.add_column(col)
+    styles = {"current": "bold green", "candidate": "yellow", "rejected": "red", "retired": "dim"}
+    for n in names:
+        reg = _registry(n)
+        for v in reg.versions():
+            decision, taus = gate_summary(reg.gate(v.version))
+            t.add_row(n, v.version, f"[{styles[v.status]}]{v.status}[/]", _when(v.created), v.parent or "-",
+                      v.target_digest or "?", decision, taus)
+    out.print(t)
+
+
+@heads_app.command("show")
+def show(ref: str = typer.Argument(..., help="NAME (its current version) or NAME@vN")) -> None:
+    """One version: metadata, provenance, the gate's decision and the registry events about it."""
+    from .convert import ModelNotFound
+    from .heads import HeadRegistryError, parse_ref
+
+    try:
+        name, version = parse_ref(ref)
+    except HeadRegistryError as exc:
+        _fail(str(exc))
+    reg = _registry(name)
+    try:
+        v = reg.get(version) if version else reg.current()
+    except (ModelNotFound, HeadRegistryError) as exc:
+        _fail(str(exc))
+    if v is None:
+        _fail(f"the head registry {name!r} has no current version: see `cartspec heads list {name}`")
+    out.print(f"[bold]{v.ref}[/] {v.status}")
+    meta = {"path": str(v.path), "created": _when(v.created), "parent": v.parent, "target_digest": v.target_digest,
+            "target_name": v.target_name}
+    for k, x in meta.items():
+        out.print(f"  {k}: {x if x is not None else '-'}")
+    out.print("[bold]provenance[/]")
+    for k, x in v.provenance.items():
+        out.print(f"  {k}: {json.dumps(x) if isinstance(x, (dict, list)) else x}", soft_wrap=True)
+    prov_md = v.path / "PROVENANCE.md"
+    if prov_md.exists():
+        out.print(f"  PROVENANCE.md: {prov_md}")
+    gate = reg.gate(v.version)
+    out.print("[bold]gate[/]" + ("" if gate else ": none written"))
+    if gate:
+        out.print(json.dumps(gate, indent=2, default=str), soft_wrap=True, markup=False)
+    events = [e for e in reg.events() if v.version in (e.get("version"), e.get("from"), e.get("to"))]
+    out.print("[bold]events[/]" + ("" if events else ": none"))
+    for e in events:
+        figs = " ".join(f"{k}={x}" for k, x in (e.get("figures") or {}).items())
+        out.print(f"  {_when(e.get('ts'))} {e.get('event')} {e.get('version')} "
+                  f"(current {e.get('from') or '-'} -> {e.get('to') or '-'}): {e.get('reason') or ''}"
+                  + (f" [{figs}]" if figs else ""), soft_wrap=True, markup=False)
+
+
+@heads_app.command("promote")
+def promote(
+    ref: str = typer.Argument(..., help="NAME@vN"),
+    reason: str = typer.Option("promoted by hand", help="recorded in the registry's events"),
+    force: bool = typer.Option(False, "--force", help="promote a rejected version, or one pinned to another target"),
+) -> None:
+    """Make NAME@vN current: `--head NAME` (serve, study, draft acceptance) serves it from then on."""
+    from .convert import ModelNotFound
+    from .heads import HeadRegistryError, parse_ref
+
+    try:
+        name, version = parse_ref(ref)
+    except HeadRegistryError as exc:
+        _fail(str(exc))
+    if version is None:
+        _fail(f"name the version to promote: `cartspec heads promote {name}@vN` (see `cartspec heads list {name}`)")
+    reg = _registry(name)
+    before = reg.current()
+    try:
+        v = reg.promote(version, reason=reason, force=force)
+    except (ModelNotFound, HeadRegistryError) as exc:
+        _fail(str(exc))
+    if before is not None and before.version == v.version:
+        console.print(f"{v.ref} is already current")
+        return
+    console.print(f"[green]promoted[/] {v.ref} (was {before.ref if before else 'none'}); a running `cartspec serve` "
+                  "serves it after a restart")
+
+
+@heads_app.command("rollback")
+def rollback(
+    name: str = typer.Argument(..., help="registry name"),
+    to: Optional[str] = typer.Option(None, "--to", help="the version to make current (default: the previous current)"),
+    reason: str = typer.Option("rolled back by hand", help="recorded in the registry's events"),
+) -> None:
+    """Make the previous current version of NAME current again (or --to vN); the rolled-back one is retired."""
+    from .convert import ModelNotFound
+    from .heads import HeadRegistryError
+
+    reg = _registry(name)
+    before = reg.current()
+    try:
+        v = reg.rollback(reason=reason, to=to)
+    except (ModelNotFound, HeadRegistryError) as exc:
+        _fail(str(exc))
+    console.print(f"[green]rolled back[/] {before.ref if before else '?'} -> {v.ref}; a running `cartspec serve` "
+                  "serves it after a restart")
+
+
+@heads_app.command("reject")
+def reject(
+    ref: str = typer.Argument(..., help="NAME@vN (a candidate)"),
+    reason: str = typer.Option("rejected by hand", help="recorded in the registry's events"),
+) -> None:
+    """Mark a candidate rejected: promote refuses it from then on (unless --force)."""
+    from .convert import ModelNotFound
+    from .heads import HeadRegistryError, parse_ref
+
+    try:
+        name, version = parse_ref(ref)
+    except HeadRegistryError as exc:
+        _fail(str(exc))
+    if version is None:
+        _fail(f"name the version to reject: `cartspec heads reject {name}@vN`")
+    reg = _registry(name)
+    try:
+        v = reg.reject(version, reason=reason)
+    except (ModelNotFound, HeadRegistryError) as exc:
+        _fail(str(exc))
+    console.print(f"[yellow]rejected[/] {v.ref}")
 
 
 def register(app: typer.Typer) -> None:
-    """Add this module's commands to ``app``."""
+    """Add ``cartspec heads ...`` to ``app``."""
+    app.add_typer(heads_app, name="heads")
