@@ -74,6 +74,7 @@ class DeploymentInfo(BaseModel):
     method: str
     gamma: int | None = None
     head: str | None = None
+    head_version: str | None = Field(None, description="NAME@v0002 when the head served is a head registry's version")
     model: str
     deployment_spec: dict[str, Any] = Field(default_factory=dict,
                                             validation_alias=AliasChoices("deployment_spec", "spec"),
@@ -96,6 +97,8 @@ class PointConfig(BaseModel):
     method: str
     gamma: int | None = None
     head: str | None = None
+    head_version: str | None = Field(None, description="NAME@v0002 when ``head`` resolved to a head registry's "
+                                                       "version: a resumed run measures a promoted version anew")
     # kept as the JSON it was written with: the key below is its digest (serving's type sits above this
     # layer); ``analysis.specs.measured_spec`` reads it as a DeploymentSpec
     spec: dict[str, Any] = Field(default_factory=dict, description="the DeploymentSpec, as JSON")
@@ -123,6 +126,8 @@ class PointConfig(BaseModel):
         for name in ("samples", "rounds"):  # points measured before these existed keep their keys (resume)
             if dump[name] == 1:
                 dump.pop(name)
+        if dump["head_version"] is None:
+            dump.pop("head_version")
         return config_digest(dump)
 
     def slice_bounds(self) -> list[tuple[int, int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+from ..model.heads import version_of
 from ..results import DeploymentInfo, Machine, PointConfig, PointResult, append_result
 from ..serving.endpoint import Endpoint, Launcher, endpoint
 from ..serving.spec import DeploymentSpec
@@ -166,6 +167,8 @@ class LiveDeployment:
             self.reporter.deployment(self.label, "failed")
             return False
         self.info = self.ep.describe()
+        if self.info.head and not self.info.head_version:
+            self.info.head_version = version_of(self.info.head)
         self.fresh = True
         self.reporter.deployment(self.label, "running")
         return True

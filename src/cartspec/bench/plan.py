@@ -51,6 +51,7 @@ class SweepPlan(BaseModel):
         sp = deployment.speculative
         common = dict(deployment=label or deployment.label, method=sp.method, gamma=sp.num_speculative_tokens,
                       head=sp.model if sp.method in ("eagle3", "hybrid") else None,
+                      head_version=registered_version(sp.model) if sp.method in ("eagle3", "hybrid") else None,
                       spec=deployment.model_dump(mode="json"), max_tokens=self.max_tokens,
                       structured=self.structured, seed=self.seed, slo_e2el_s=self.slo_e2el_s,
                       duration_s=self.duration_s, samples=self.samples, rounds=self.rounds)
@@ -126,6 +127,19 @@ def suffix_available() -> bool:
         return importlib.util.find_spec("arctic_inference.suffix_decoding") is not None
     except ImportError:
         return False
+
+
+def registered_version(name: str | None) -> str | None:
+    """``NAME@v0002`` when the head ``name`` resolves to a head registry's version now, else None."""
+    from ..model.heads import HeadRegistryError, resolve_registered
+
+    if not name:
+        return None
+    try:
+        v = resolve_registered(name)
+    except (FileNotFoundError, HeadRegistryError):
+        return None
+    return v.ref if v else None
 
 
 def head_available(name: str) -> bool:

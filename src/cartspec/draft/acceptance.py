@@ -93,6 +93,7 @@ class AcceptanceReport(_Written):
     gamma: int | None = None
     target: str | None = None
     head: str | None = None
+    head_version: str | None = Field(None, description="NAME@v0002 when the head came from a head registry")
     n: int | None = None
     temperature: float | None = None
     concurrency: int | None = None
@@ -162,6 +163,7 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
     server whose replies carry no token ids is refused (``EndpointError``)."""
     from transformers import AutoTokenizer
 
+    from ..model.heads import version_of
     from ..model.registry import resolve_head, resolve_model
     from ..serving.client import ChatClient, gather_limited
     from ..serving.endpoint import EndpointError, endpoint
@@ -245,7 +247,8 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
     summary["replies"] = [{"id": r.id, "token_ids": list(o), "per_step_accepted": (c.request_spec_metrics or {}).get("per_step_accepted")}
                           for r, o, c in zip(reqs, outputs, results)]
     return {**summary, "mode": "vllm", "method": method, "gamma": gamma, "target": str(model_dir),
-            "head": str(head_dir) if head_dir else None, "n": len(reqs), "temperature": 0.0,
+            "head": str(head_dir) if head_dir else None, "head_version": version_of(head_dir), "n": len(reqs),
+            "temperature": 0.0,
             "concurrency": concurrency, "max_tokens": max_tokens, "output_tokens": out_tokens,
             "wall_s": round(wall, 1), "output_tokens_per_s": round(out_tokens / wall, 1) if wall else None,
             "requests_without_step_metrics": missing, "engine": versions,
@@ -346,6 +349,7 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
     for c in summary["by_class"]:
         summary["by_class"][c]["tokens"] = counts.get(c, 0)
     return {**summary, "mode": "simulate", "method": method, "gamma": gamma, "target": str(model_dir),
-            "head": str(head_dir) if head_dir else None, "n": len(reqs), "temperature": 0.0,
+            "head": str(head_dir) if head_dir else None, "head_version": version_of(head_dir), "n": len(reqs),
+            "temperature": 0.0,
             "max_tokens": max_tokens, "output_tokens": sum(len(r["output_ids"]) for r in records),
             "wall_s": round(time.perf_counter() - t0, 1), "engine": engine_versions()}
