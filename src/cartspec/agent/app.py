@@ -25,11 +25,12 @@ import math
 import re
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.background import BackgroundTask
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -39,14 +40,16 @@ from ..task.data import Turn
 from ..task.parse import read_reply
 from ..task.prompts import messages as task_messages
 from ..task.schema import SearchParams, SupportReply, json_schema
-from .acceptance import reply_stats
+from ..task.traffic import TrafficRecord, TrafficWriter
+from .acceptance import AcceptanceStats, reply_stats
 from .admission import Admission, Throughput
 from .cache import CoalescedCancelled, HotCache, request_key
+from .canary import STATES, Arm, Canary, Decision
 from .config import AgentConfig
 from .fallback import AcceptanceFallback, Switch
 from .metrics import AgentMetrics
 from .router import RouteDecision, Router
-from .trace import AdmissionTrace, FallbackTrace, SpecTrace, Timing, TraceRecord, TraceWriter
+from .trace import AdmissionTrace, CanaryTrace, FallbackTrace, SpecTrace, Timing, TraceRecord, TraceWriter
 from .upstream import Upstream, Upstreams, UpstreamUnavailable
 
 log = logging.getLogger("cartspec.agent")
@@ -97,10 +100,20 @@ class Answer:
     value: dict[str, Any]
     decision: RouteDecision | None = None
     deployment: str | None = None
+    upstream: Upstream | None = None
     attempts: int = 0
     structured: list[bool] = field(default_factory=list)
     repaired: bool = False
     timing: Timing = field(default_factory=Timing)
+    model_ms: float = 0.0                      # the model calls of the deployment that answered
+    # the answering call (the one whose reply is the answer): what the traffic log keeps
+    messages: list[dict[str, str]] = field(default_factory=list)
+    reply_text: str = ""
+    temperature: float = 0.0
+    constrained: bool = False
+    spec: SpecTrace | None = None
+    stats: AcceptanceStats | None = None
+    output_tokens: int = 0
 
 
 def make_fallback(config: AgentConfig, upstreams: Upstreams) -> AcceptanceFallback | None:
@@ -116,6 +129,14 @@ def make_fallback(config: AgentConfig, upstreams: Upstreams) -> AcceptanceFallba
     return AcceptanceFallback(config.fallback)
 
 
+def make_canary(config: AgentConfig, upstreams: Upstreams) -> Canary | None:
+    """The canary, exactly when there is a candidate deployment beside the speculative one."""
+    if "candidate" not in upstreams.by_target:
+        return None
+    return Canary(config.canary, candidate=upstreams["candidate"].head_ref,
+                  current=upstreams["speculative"].head_ref)
+
+
 class Agent:
     """What the routes share: config, deployments, cache, router, metrics, trace."""
 
@@ -124,7 +145,9 @@ class Agent:
         self.upstreams = upstreams
         self.cache = HotCache(config.cache)
         self.fallback = make_fallback(config, upstreams)
-        self.router = Router(config.router, set(upstreams.by_target), self.fallback)
+        self.router = Router(config.router, set(upstreams.by_target) - {"candidate"}, self.fallback)
+        self.canary = make_canary(config, upstreams)
+        self.traffic = TrafficWriter(config.traffic) if config.traffic.dir is not None else None
         self.admission = Admission(config.admission) if config.admission.enabled else None
         self.metrics = AgentMetrics()
         self.trace = TraceWriter(config.trace_path, config.trace_max_bytes)
@@ -147,6 +170,19 @@ class Agent:
             m.rolling_observed.labels("speculative").set_function(lambda: len(fb.window))
             for direction in ("to_fallback", "to_speculative"):  # 0 from the start: rate() needs a first sample
                 m.fallback_switches.labels("speculative", direction)
+        if self.canary:
+            cn = self.canary
+            m.canary_share.set_function(lambda: cn.share)
+            for state in STATES:
+                m.canary_state.labels(state).set_function(lambda state=state: 1.0 if cn.state == state else 0.0)
+            for arm in ("candidate", "current"):
+                a = cn.arms[arm]
+                m.canary_requests.labels(arm).set_function(lambda a=a: a.replies)
+                m.canary_tau.labels(arm).set_function(lambda a=a: _or_nan(a.tau.mean))
+                m.canary_acceptance.labels(arm).set_function(lambda a=a: _or_nan(a.total.rate))
+                m.canary_errors.labels(arm)
+            for decision in ("promote", "rollback"):
+                m.canary_decisions.labels(decision)
 
     # --- input ------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
@@ -218,9 +254,20 @@ class Agent:
 
     # --- model calls -----------------------------------------------------------
     def route(self, task: str, query: str) -> tuple[RouteDecision, Upstream]:
-        spec_up = self.upstreams.by_target.get("speculative")
+        main = self._speculative_target()
+        spec_up = self.upstreams.by_target.get(main)
         load = spec_up.inflight + spec_up.waiting if spec_up else 0
-        decision = self.router.decide(task, query, load, self.upstreams.up())
+        up = self.upstreams.up()
+        if main == "candidate":  # the router's speculative deployment is the candidate once promoted
+            up["speculative"] = up["candidate"]
+        decision = self.router.decide(task, query, load, up)
+        if self.canary is not None and decision.target == "speculative" and self.canary.route():
+            if self.canary.state == "trial":  # a candidate that is down still gets its share: its errors count
+                decision = replace(decision, target="candidate", reason="canary")
+            elif self.upstreams["candidate"].health.up:
+                decision = replace(decision, target="candidate", reason="canary-promoted")
+            else:
+                decision = replace(decision, reason="failover-candidate-down")
         return decision, self.upstreams[decision.target]
 
     def admit(self, endpoint: str, target: str, up: Upstream, rec: TraceRecord) -> None:
@@ -241,39 +288,132 @@ class Agent:
         log.log(level, "%s (target speculative: %s; plain: %s)", switch.describe(),
                 self.upstreams["speculative"].label, self.upstreams["plain"].label)
 
-    async def answer(self, endpoint: str, task: str, req: TaskRequest, rec: TraceRecord) -> Answer:
-        decision, up = self.route(task, req.query)
+    # --- the canary -------------------------------------------------------------
+    def _speculative_target(self) -> str:
+        """Who drafts for speculative-bound traffic: the candidate once promoted, else the speculative one."""
+        return "candidate" if self.canary is not None and self.canary.state == "promoted" else "speculative"
+
+    def _arm(self, target: str) -> Arm | None:
+        if self.canary is None or target not in ("speculative", "candidate"):
+            return None
+        return "candidate" if target == "candidate" else "current"
+
+    def canary_observe(self, arm: Arm, ans: Answer | None, rec: TraceRecord, error: bool = False) -> None:
+        """One request of an arm, answered (``ans``) or failed; a decision it causes is acted on here."""
+        canary = self.canary
+        stats = ans.stats if ans is not None and not error else None
+        model_ms = ans.model_ms if ans is not None and not error else None
+        was_trial = canary.state == "trial"
+        decision = canary.observe(arm, stats, model_ms, error)
+        if error and was_trial:
+            self.metrics.canary_errors.labels(arm).inc()
+        rec.canary = CanaryTrace(**asdict(canary.view(arm, decision)))
+        if decision is not None:
+            self.canary_decided(decision)
+
+    def canary_decided(self, decision: Decision) -> None:
+        """Metrics, a log line with the figures, and the head registry: a restart serves what was decided."""
+        canary = self.canary
+        self.metrics.canary_decisions.labels(decision.decision).inc()
+        level = logging.INFO if decision.decision == "promote" else logging.WARNING
+        log.log(level, "%s (candidate %s: %s; current %s: %s) figures %s", decision.describe(),
+                canary.candidate or "head", self.upstreams["candidate"].label, canary.current or "head",
+                self.upstreams["speculative"].label, json.dumps(decision.figures, sort_keys=True))
+        if not canary.config.registry or not canary.candidate:
+            return
+        try:
+            from ..model.heads import HeadRegistry, parse_ref
+
+            name, version = parse_ref(canary.candidate)
+            registry = HeadRegistry(name)
+            reason = f"canary: {decision.describe()}"
+            figures = {"canary": decision.figures, "current": canary.current}
+            if decision.decision == "promote":
+                registry.promote(version, reason=reason, figures=figures)
+            else:
+                registry.reject(version, reason=reason, figures=figures)
+            log.info("head registry %s: %s %s", name, "promoted" if decision.decision == "promote" else "rejected",
+                     canary.candidate)
+        except Exception:  # the decision stands for this process; the registry is told by hand
+            log.exception("canary %s of %s not written to the head registry: run `cartspec heads %s` by hand",
+                          decision.decision, canary.candidate,
+                          f"promote {canary.candidate}" if decision.decision == "promote" else "list")
+
+    # --- answering ---------------------------------------------------------------
+    def _routed(self, endpoint: str, decision: RouteDecision, up: Upstream, rec: TraceRecord, ans: Answer) -> None:
         self.metrics.routes.labels(endpoint, decision.target, decision.reason).inc()
         rec.route, rec.route_reason, rec.deployment = decision.target, decision.reason, up.label
+        rec.head, rec.head_version = _split_ref(up.head_ref)
         if decision.fallback is not None:
             rec.fallback = FallbackTrace(**asdict(decision.fallback))
-        self.admit(endpoint, decision.target, up, rec)
+        arm = self._arm(decision.target)
+        if arm is not None:
+            rec.canary = CanaryTrace(**asdict(self.canary.view(arm)))
+        ans.decision, ans.deployment, ans.upstream = decision, up.label, up
+
+    async def answer(self, endpoint: str, task: str, req: TaskRequest, rec: TraceRecord) -> Answer:
+        decision, up = self.route(task, req.query)
         # Timing goes straight into the trace record, so a failed request still shows where its time went.
-        ans = Answer(value={}, decision=decision, deployment=up.label, timing=rec.timing)
-        msgs = task_messages(req)
+        ans = Answer(value={}, timing=rec.timing)
+        self._routed(endpoint, decision, up, rec, ans)
+        self.admit(endpoint, decision.target, up, rec)
+        try:
+            return await self._observed(endpoint, task, req, rec, ans, decision.target, up)
+        except (UpstreamUnavailable, UpstreamError) as exc:
+            if decision.target != "candidate" or not _counts_against(exc):
+                raise
+            # The candidate failed (counted against it): the current head answers, as it would have.
+            log.warning("canary: candidate %s failed (%s); the current head answers request %s",
+                        up.label, getattr(exc, "reason", None) or exc, rec.id)
+            decision = replace(decision, target="speculative", reason="failover-candidate-error")
+            up = self.upstreams["speculative"]
+            self._routed(endpoint, decision, up, rec, ans)
+            return await self._observed(endpoint, task, req, rec, ans, decision.target, up)
+
+    async def _observed(self, endpoint: str, task: str, req: TaskRequest, rec: TraceRecord, ans: Answer,
+                        target: str, up: Upstream) -> Answer:
+        """``_ask``, with its outcome counted for the canary's arm when the request is one of its arms'."""
+        arm = self._arm(target)
+        try:
+            await self._ask(endpoint, task, req, rec, ans, target, up)
+        except (UpstreamUnavailable, UpstreamError, InvalidModelOutput) as exc:
+            if arm is not None and _counts_against(exc):
+                self.canary_observe(arm, None, rec, error=True)
+            raise
+        if arm is not None:
+            self.canary_observe(arm, ans, rec)
+        return ans
+
+    async def _ask(self, endpoint: str, task: str, req: TaskRequest, rec: TraceRecord, ans: Answer,
+                   target: str, up: Upstream) -> Answer:
+        msgs = ans.messages = task_messages(req)
         c = self.config
         plan = [c.structured_outputs] + ([True] if c.retry_unparsable else [])
         max_tokens = c.max_tokens[task]
         last_error = ""
         fallback = None
+        ans.structured = []
+        ans.model_ms = 0.0
+        observe_fallback = self.fallback is not None and target == self._speculative_target()
         for attempt, constrained in enumerate(plan, 1):
             ans.attempts = rec.attempts = attempt
             ans.structured.append(constrained)
             rec.structured = ans.structured
+            temperature = c.temperature if attempt == 1 else 0.0
             t0 = time.perf_counter()
             try:
-                comp, queued = await up.chat(msgs, max_tokens=max_tokens,
-                                             temperature=c.temperature if attempt == 1 else 0.0,
+                comp, queued = await up.chat(msgs, max_tokens=max_tokens, temperature=temperature,
                                              json_schema=self.schemas[task] if constrained else None)
             except UpstreamUnavailable:
-                self.metrics.upstream_errors.labels(decision.target, "down").inc()
+                self.metrics.upstream_errors.labels(target, "down").inc()
                 raise
             except UpstreamError as exc:
                 kind = {0: "unreachable", 504: "timeout"}.get(exc.status, f"http_{exc.status}")
-                self.metrics.upstream_errors.labels(decision.target, kind).inc()
+                self.metrics.upstream_errors.labels(target, kind).inc()
                 ans.timing.upstream_ms += (time.perf_counter() - t0) * 1000  # a failed call's wait counts too
                 raise
             call_s = time.perf_counter() - t0
+            ans.model_ms += call_s * 1000
             ans.timing.queue_ms += queued * 1000
             ans.timing.upstream_ms += (call_s - queued) * 1000
             engine = (comp.raw.get("metrics") or {}) if comp.raw else {}
@@ -285,10 +425,10 @@ class Agent:
             self.metrics.stage.labels(endpoint, "upstream").observe(call_s - queued)
             rec.output_tokens, rec.finish_reason = comp.output_tokens, comp.finish_reason
             rec.spec = SpecTrace.from_vllm(comp.request_spec_metrics)
-            self.metrics.output_tokens.labels(decision.target).inc(comp.output_tokens)
+            self.metrics.output_tokens.labels(target).inc(comp.output_tokens)
             stats = reply_stats(comp.request_spec_metrics)
-            self.metrics.observe_spec(decision.target, stats)
-            if self.fallback is not None and decision.target == "speculative":
+            self.metrics.observe_spec(target, stats)
+            if observe_fallback:
                 switch = self.fallback.observe(stats)
                 if switch is not None:
                     self.switched(switch)
@@ -298,6 +438,9 @@ class Agent:
             parse_s = time.perf_counter() - t1
             ans.timing.parse_ms += parse_s * 1000
             self.metrics.stage.labels(endpoint, "parse").observe(parse_s)
+            if reading.value is not None:  # this call's reply may be the answer: what the traffic log keeps
+                ans.reply_text, ans.temperature, ans.constrained = comp.text, temperature, constrained
+                ans.spec, ans.stats, ans.output_tokens = rec.spec, stats, comp.output_tokens
             if reading.value is not None and reading.schema_valid:
                 self.metrics.attempts.labels(endpoint, str(attempt), "valid").inc()
                 self.router.observe(task, req.query, comp.output_tokens)
@@ -317,6 +460,41 @@ class Agent:
             return ans
         raise InvalidModelOutput(f"the model's reply is not a valid {task} object after {len(plan)} "
                                  f"attempt(s), the last constrained to the schema: {last_error}")
+
+    # --- traffic ------------------------------------------------------------------
+    def record_traffic(self, rid: str, task: str, req: TaskRequest, ans: Answer, rec: TraceRecord) -> None:
+        """One answered request into the traffic log; a failure is logged, never the request's."""
+        if self.traffic is None:
+            return
+        try:
+            up = ans.upstream
+            spec = ans.spec
+            head, version = _split_ref(up.head_ref if up else None)
+            self.traffic.write(TrafficRecord(
+                id=rid, ts=time.time(), task=task, query=req.query, history=list(req.history),
+                messages=ans.messages, reply=ans.reply_text, temperature=ans.temperature,
+                structured=ans.constrained, route=rec.route, deployment=ans.deployment, head=head,
+                head_version=version, gamma=up.gamma if up else None,
+                proposed=spec.proposed if spec else 0, accepted=spec.accepted if spec else 0,
+                drafts=spec.drafts if spec else 0, output_tokens=ans.output_tokens,
+                latency_ms=rec.timing.total_ms))
+        except Exception:
+            log.exception("traffic record of request %s not written", rid)
+
+
+def _counts_against(exc: Exception) -> bool:
+    """An error the deployment made (down, unreachable, timed out, 5xx, no valid reply), not the request."""
+    if isinstance(exc, UpstreamError):
+        return exc.status in (0, 504) or exc.status >= 500
+    return isinstance(exc, (UpstreamUnavailable, InvalidModelOutput))
+
+
+def _split_ref(ref: str | None) -> tuple[str | None, str | None]:
+    """``NAME@vNNNN`` -> (NAME, vNNNN); None -> (None, None)."""
+    if not ref:
+        return None, None
+    name, _, version = ref.partition("@")
+    return name, version or None
 
 
 def _or_nan(x: float | None) -> float:
@@ -340,6 +518,8 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
             for _, up in agent.upstreams.items():
                 await up.close()
             agent.trace.close()
+            if agent.traffic is not None:
+                agent.traffic.close()
 
     app = FastAPI(title="cartspec commerce agent", version="1", lifespan=lifespan)
     app.state.agent = agent
@@ -415,6 +595,8 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
             response = _fail(rec, headers, 500, "internal", f"{type(exc).__name__}: {exc}"[:300])
         total = time.perf_counter() - t0
         rec.timing.total_ms = total * 1000
+        if rec.canary is not None:
+            response.headers["X-Cartspec-Canary"] = rec.canary.header()
         if rec.cache in ("miss", "bypass", "off") and rec.status == 200:
             t = rec.timing
             response.headers["Server-Timing"] = (f"queue;dur={t.queue_ms:.1f}, upstream;dur={t.upstream_ms:.1f}, "
@@ -427,6 +609,12 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
             agent.trace.write(rec)
         except OSError:
             log.exception("trace write failed")
+        if agent.traffic is not None and rec.status == 200 and rec.cache in ("miss", "bypass", "off"):
+            # after the response is sent: recording never delays an answer
+            async def record(ans: Answer = ans, req: TaskRequest = req) -> None:  # on the loop: one writer at a time
+                agent.record_traffic(rid, task, req, ans, rec)
+
+            response.background = BackgroundTask(record)
         return response
 
     def _fail(rec: TraceRecord, headers: dict[str, str], status: int, type_: str, reason: str,
@@ -473,6 +661,7 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
             return _error(exc.status, exc.type, exc.reason, headers=exc.headers)
         return {"config": config.public(),
                 "deployments": {t: {"url": u.base_url, "label": u.label, "model": u.model, **u.info}
-                                for t, u in agent.upstreams.items()}}
+                                for t, u in agent.upstreams.items()},
+                "canary": agent.canary.describe() if agent.canary else None}
 
     return app

@@ -41,6 +41,8 @@ def serve(
                                              "replaces --model/--head/--gamma"),
     upstream: Optional[str] = typer.Option(None, help="use this running OpenAI-compatible server; start no vLLM"),
     served_name: str = typer.Option("cartspec", help="model name on --upstream"),
+    upstream_key: Optional[str] = typer.Option(None, envvar="CARTSPEC_UPSTREAM_KEY", help="API key --upstream "
+                                               "needs (sent as 'Authorization: Bearer KEY')"),
     label: str = typer.Option("external", help="what runs on --upstream (e.g. eagle3-domain-g3, or baseline "
                               "for no speculation), for headers and metrics"),
     plain: bool = typer.Option(False, "--plain", help="also start a plain deployment (no speculation) of the same "
@@ -63,6 +65,30 @@ def serve(
                                                        "over recent completions) is over S seconds; cache hits "
                                                        "and an idle deployment always pass; 0: off (default: "
                                                        "--config's admission, else off)"),
+    canary_head: Optional[str] = typer.Option(None, "--canary-head", metavar="REF", help="canary: try this "
+                                              "head (NAME@vNNNN, NAME for its registry's newest candidate, or a "
+                                              "head directory) on a share of the speculative traffic: a second "
+                                              "vLLM of the same target with the head replaced; promoted in the "
+                                              "registry when it drafts better, rejected when acceptance falls "
+                                              "or errors rise (default: --config's canary.head)"),
+    canary_upstream: Optional[str] = typer.Option(None, "--canary-upstream", metavar="URL", help="canary: this "
+                                                  "running server serves the candidate (start none); with "
+                                                  "--canary-head saying which head it drafts with"),
+    canary_served_name: str = typer.Option("cartspec", help="model name on --canary-upstream"),
+    canary_key: Optional[str] = typer.Option(None, "--canary-key", envvar="CARTSPEC_CANARY_KEY",
+                                             help="API key --canary-upstream needs"),
+    canary_share: Optional[float] = typer.Option(None, "--canary-share", min=0.001, max=0.5,
+                                                 help="share of the speculative traffic the candidate gets: "
+                                                 "every k-th request, k = 1/share (default: --config's "
+                                                 "canary.share, else 0.1)"),
+    record_traffic: Optional[Path] = typer.Option(None, "--record-traffic", metavar="DIR", help="record each "
+                                                  "answered request (messages, the target's reply, deployment, "
+                                                  "head version, acceptance, latency) to rotating JSONL files "
+                                                  "in DIR, redacted, for `cartspec draft refresh` (default: "
+                                                  "--config's traffic.dir, else off)"),
+    redact: list[str] = typer.Option([], "--redact", metavar="REGEX", help="also mask what this regex matches "
+                                     "in recorded traffic (repeatable; group 'v': only that part); order ids, "
+                                     "e-mails and phone numbers are masked anyway"),
     config: Optional[Path] = typer.Option(None, help="an AgentConfig file (YAML/TOML/JSON)"),
     host: Optional[str] = typer.Option(None, help="bind address (default 127.0.0.1)"),
     port: Optional[int] = typer.Option(None, help="agent port (default 8080)"),
@@ -78,7 +104,8 @@ def serve(
     force: bool = force_option("serve a head"),
 ) -> None:
     """Serve the commerce agent (search parameters, support replies) on a vLLM deployment,
-    or on two (--plain): speculative and plain, with the router and the acceptance fallback."""
+    or on two (--plain): speculative and plain, with the router and the acceptance fallback;
+    with a canary of a candidate head beside it (--canary-head) and traffic recording (--record-traffic)."""
     import contextlib
 
     import uvicorn
@@ -96,6 +123,21 @@ def serve(
     overrides = {k: v for k, v in dict(host=host, port=port, api_key=api_key, trace_path=trace,
                                        structured_outputs=structured).items() if v is not None}
     cfg = cfg.model_copy(update=overrides)
+    if record_traffic is not None or redact:
+        from pydantic import ValidationError
+
+        traffic = cfg.traffic.model_dump()
+        if record_traffic is not None:
+            traffic["dir"] = record_traffic
+        traffic["redact_patterns"] = [*traffic["redact_patterns"], *redact]
+        try:
+            cfg = cfg.model_copy(update={"traffic": type(cfg.traffic).model_validate(traffic)})
+        except ValidationError as exc:
+            console.print(f"[bold red]error:[/] --redact: {exc.errors()[0]['msg'].removeprefix('Value error, ')}")
+            raise typer.Exit(2) from None
+        if cfg.traffic.dir is None:
+            _warn("--redact without --record-traffic (or traffic.dir in --config): nothing is recorded")
+    canary_head = canary_head or cfg.canary.head
     if config is None and trace is None:  # a config file decides for itself (trace_path: null = no trace)
         cfg = cfg.model_copy(update={"trace_path": Path("runs/agent/trace.jsonl")})
     if cfg.host not in ("127.0.0.1", "localhost", "::1") and not cfg.api_key:
@@ -129,27 +171,47 @@ def serve(
                 spec = default_spec(model, head, gamma, enforce_eager, dtype, draft, say=_warn)
                 if adaptive:
                     spec = adaptive_schedule(adaptive_request(spec))
+            elif canary_head and not canary_upstream:  # the candidate: --model/--head/--gamma, head swapped
+                spec = default_spec(model, head, gamma, enforce_eager, dtype, draft or DEFAULT_DRAFT, say=_warn)
             elif plain and not plain_upstream:  # only its target matters: it runs without speculation
                 spec = default_spec(model, "none", gamma, enforce_eager, dtype, say=_warn)
             if spec is not None and not upstream:  # a head trained for another model: refuse (or --force)
                 from ..model.registry import check_spec_head
 
                 check_spec_head(spec, force=force, warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
+            if canary_head and not canary_upstream and spec is not None:  # the candidate's head, pinned the same
+                from ..model.registry import check_spec_head
+                from .wiring import canary_spec, candidate_head
+
+                check_spec_head(canary_spec(spec, candidate_head(canary_head)[0]), force=force,
+                                warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
             ups = build_upstreams(spec, open_endpoint, upstream=upstream, served_name=served_name, label=label,
-                                  plain=plain, plain_upstream=plain_upstream, plain_served_name=plain_served_name)
+                                  upstream_key=upstream_key, plain=plain, plain_upstream=plain_upstream,
+                                  plain_served_name=plain_served_name, canary_head=canary_head,
+                                  canary_upstream=canary_upstream, canary_served_name=canary_served_name,
+                                  canary_key=canary_key)
         except (DeploymentError, EndpointError, ModelNotFound, FileNotFoundError, ValueError) as exc:
             console.print(f"[bold red]error:[/] {exc}")
             raise typer.Exit(2) from None
         if servers and restart:
             keeper = Keeper(servers, say=_warn)
             keeper.start()
-        cfg = apply_flags(cfg, ups, router=router, fallback=fallback, admission_max_wait=admission_max_wait)
-        app = create_app(cfg, ups)
+        cfg = apply_flags(cfg, ups, router=router, fallback=fallback, admission_max_wait=admission_max_wait,
+                          canary_share=canary_share)
+        try:
+            app = create_app(cfg, ups)
+        except OSError as exc:  # the traffic directory cannot be made
+            console.print(f"[bold red]error:[/] {exc}")
+            raise typer.Exit(2) from None
         agent = app.state.agent
+        cn = agent.canary
         console.print("targets: " + ", ".join(f"{t} {u.label} at {u.base_url}" for t, u in ups.items())
                       + f"; router {'on (' + cfg.router.policy + ')' if cfg.router.enabled else 'off'}"
                       + f"; acceptance fallback {'on' if agent.fallback else 'off'}"
-                      + f"; admission {f'on (max wait {cfg.admission.max_wait_s:g}s)' if agent.admission else 'off'}")
+                      + f"; admission {f'on (max wait {cfg.admission.max_wait_s:g}s)' if agent.admission else 'off'}"
+                      + (f"; canary on (every {cn.every}th speculative request to {cn.candidate or 'the candidate'}"
+                         f", against {cn.current or 'the current head'})" if cn else "")
+                      + (f"; recording traffic to {cfg.traffic.dir}" if agent.traffic else ""))
         console.print(f"[green]agent on http://{cfg.host}:{cfg.port}[/]  try:\n"
                       f"  curl -s http://{cfg.host}:{cfg.port}/v1/search -H 'content-type: application/json' "
                       "-d '{\"query\": \"red trail runners under $120, size 10, no nike\"}'")

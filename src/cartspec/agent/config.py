@@ -8,8 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..config_files import FileModel
-
 from ..task.data import MAX_HISTORY_TURNS, MAX_QUERY_CHARS
+from ..task.traffic import TrafficConfig
 
 
 class CacheConfig(BaseModel):
@@ -115,6 +115,48 @@ class AdmissionConfig(BaseModel):
         return self
 
 
+class CanaryConfig(BaseModel):
+    """Canary of a candidate draft head beside the current one (``canary.py``).
+
+    The candidate is the same target with another head, so replies do not change;
+    only acceptance and latency can. In trial every k-th request bound for the
+    speculative deployment (k = round(1 / ``share``)) goes to the candidate. It is
+    promoted (all speculative traffic, and the head registry's ``current`` when it
+    is a registry version) once it has ``min_requests`` replies that drafted and
+    its mean per-request τ is at least (1 + ``margin``) × the current head's, with
+    the 95% interval of the difference above 0. It is rolled back at once (no more
+    traffic; the registry marks the version rejected) when, after
+    ``min_rollback_requests``, its rolling acceptance falls under
+    ``rollback_acceptance`` × the current head's or its error rate rises above the
+    current's by more than ``max_error_increase``.
+
+    ``head``: the candidate (a registry ref ``NAME@vNNNN``, ``NAME`` for that
+    registry's newest candidate, or a head directory); ``cartspec serve`` starts
+    it beside the main deployment (``--canary-head`` overrides it).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    head: str | None = Field(None, description="the candidate head: NAME@vNNNN, NAME (newest candidate) or a path")
+    share: float = Field(0.1, gt=0, le=0.5, description="share of speculative-bound traffic sent to the candidate")
+    min_requests: int = Field(50, ge=2, description="candidate replies that drafted, needed before promotion")
+    margin: float = Field(0.05, ge=0, description="promote at candidate τ >= (1 + margin) × current τ")
+    rollback_acceptance: float = Field(0.8, gt=0, le=1, description="roll back under this × current's "
+                                       "rolling acceptance")
+    min_rollback_requests: int = Field(20, ge=1, description="candidate requests needed before a rollback")
+    max_error_increase: float = Field(0.05, ge=0, le=1, description="roll back when the candidate's error rate "
+                                      "is over the current's by more than this")
+    window_requests: int = Field(50, ge=1, description="requests in the rolling acceptance and error windows")
+    registry: bool = Field(True, description="write promote / reject to the head registry when the candidate "
+                                             "is a registry version")
+
+    @model_validator(mode="after")
+    def _check(self) -> "CanaryConfig":
+        if self.min_rollback_requests > self.window_requests:
+            raise ValueError("min_rollback_requests must be <= window_requests")
+        return self
+
+
 class AgentConfig(FileModel):
     """Everything the agent service needs besides its upstream deployments."""
 
@@ -141,6 +183,8 @@ class AgentConfig(FileModel):
     router: RouterConfig = Field(default_factory=RouterConfig)
     fallback: FallbackConfig = Field(default_factory=FallbackConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    canary: CanaryConfig = Field(default_factory=CanaryConfig)
+    traffic: TrafficConfig = Field(default_factory=TrafficConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "AgentConfig":

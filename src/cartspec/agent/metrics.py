@@ -66,6 +66,21 @@ class AgentMetrics:
                                           ["endpoint", "target"], registry=r)
         self.expected_latency = Gauge(p + "admission_expected_seconds", "Admission control's expected latency "
                                       "of a request arriving now (NaN while not measured)", ["target"], registry=r)
+        c = "cartspec_canary_"
+        self.canary_decisions = Counter(c + "decisions", "Canary decisions on the candidate head: promote "
+                                        "(all speculative traffic to it) or rollback (none)", ["decision"],
+                                        registry=r)
+        self.canary_share = Gauge(c + "share", "The candidate head's share of speculative-bound traffic",
+                                  registry=r)
+        self.canary_state = Gauge(c + "state", "1 for the canary's state (trial, promoted, rolled_back), 0 for "
+                                  "the others", ["state"], registry=r)
+        self.canary_requests = Gauge(c + "replies", "Replies that drafted, per arm (candidate or current head), "
+                                     "in the trial", ["arm"], registry=r)
+        self.canary_tau = Gauge(c + "tau", "Mean per-request τ per arm in the trial (NaN before any)", ["arm"],
+                                registry=r)
+        self.canary_acceptance = Gauge(c + "acceptance", "Accepted / proposed draft tokens per arm in the trial "
+                                       "(NaN before any)", ["arm"], registry=r)
+        self.canary_errors = Counter(c + "errors", "Failed requests per arm in the trial", ["arm"], registry=r)
         self._sums: dict[str, AcceptanceStats] = {}
 
     def observe_spec(self, target: str, stats: AcceptanceStats | None) -> None:

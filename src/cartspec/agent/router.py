@@ -10,6 +10,10 @@ The acceptance fallback (``fallback.py``), when there is one, comes first:
 while the draft does not pay, requests go to plain (``acceptance-fallback``)
 but for the probes (``acceptance-probe``), whatever the length or load policy
 would say. A deployment that is down is avoided last, whatever chose it.
+
+A canary (``canary.py``), when there is one, acts after the router: it sends its
+share of what the router sent to the speculative deployment to the candidate
+(``candidate; reason=canary``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Literal
 from .config import RouterConfig
 from .fallback import AcceptanceFallback, FallbackView
 
-Target = Literal["speculative", "plain"]
+Target = Literal["speculative", "plain", "candidate"]
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,27 @@ class AdmissionTrace(BaseModel):
     rate: float | None = None         # completions per busy second
 
 
+class CanaryTrace(BaseModel):
+    """The canary of a candidate head when the request was answered (``canary.CanaryView``)."""
+
+    state: str                        # trial | promoted | rolled_back
+    arm: str                          # candidate | current: whose head drafted the reply
+    share: float                      # the candidate's share of speculative-bound traffic
+    n: int = 0                        # candidate replies observed in the trial
+    current_n: int = 0
+    candidate_tau: float | None = None
+    current_tau: float | None = None
+    candidate_acceptance: float | None = None
+    current_acceptance: float | None = None
+    decision: str | None = None       # promote | rollback, on the request that made it
+    figures: dict[str, Any] | None = None  # that decision's figures
+
+    def header(self) -> str:
+        """``X-Cartspec-Canary``: whose head drafted, the state, the candidate's replies so far."""
+        text = f"{self.arm}; state={self.state}; n={self.n}"
+        return text + (f"; decision={self.decision}" if self.decision else "")
+
+
 class TraceRecord(BaseModel):
     id: str
     ts: float = Field(default_factory=time.time)
@@ -76,6 +97,8 @@ class TraceRecord(BaseModel):
     route: str | None = None          # target deployment
     route_reason: str | None = None
     deployment: str | None = None     # its spec label, e.g. eagle3-domain-g3
+    head: str | None = None           # head registry name, when the deployment's head is a registry version
+    head_version: str | None = None   # that version, e.g. v0002
     cache: str | None = None          # hit | miss | coalesced | bypass | off; None: never got that far
     attempts: int = 0
     structured: list[bool] = Field(default_factory=list)  # per attempt: constrained decoding on?
@@ -86,6 +109,7 @@ class TraceRecord(BaseModel):
     spec: SpecTrace | None = None
     fallback: FallbackTrace | None = None
     admission: AdmissionTrace | None = None
+    canary: CanaryTrace | None = None
 
 
 class TraceWriter:

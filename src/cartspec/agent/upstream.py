@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,20 @@ class Upstream:
         self._max_queue = 1024
         self._probe_interval = 1.0
         self.on_health_change = None  # callback(upstream), set by the app for metrics
+
+    @property
+    def head_ref(self) -> str | None:
+        """The head registry version it drafts with (``NAME@vNNNN``), when known (``info["head"]``)."""
+        return self.info.get("head")
+
+    @property
+    def gamma(self) -> int | None:
+        """Draft tokens per step: its spec's, else the ``-gN`` its label ends with; None when neither says."""
+        spec = (self.info.get("spec") or {}).get("speculative") or {}
+        if spec.get("num_speculative_tokens"):
+            return int(spec["num_speculative_tokens"])
+        m = re.search(r"-g(\d+)$", self.label)
+        return int(m.group(1)) if m else None
 
     # --- lifecycle (inside the app's event loop) ----------------------------
     async def start(self, timeout_s: float, max_inflight: int, max_queue: int, probe_interval_s: float) -> None:
@@ -156,16 +171,24 @@ class Upstream:
 
 
 class Upstreams:
-    """The speculative deployment and, optionally, a plain one to route to."""
+    """The speculative deployment and, optionally, a plain one to route to and a candidate: the speculative
+    deployment's target with a candidate head, which the canary (``canary.py``) tries on a share of the
+    speculative deployment's traffic."""
 
-    def __init__(self, speculative: Upstream | None = None, plain: Upstream | None = None):
+    def __init__(self, speculative: Upstream | None = None, plain: Upstream | None = None,
+                 candidate: Upstream | None = None):
         if speculative is None and plain is None:
             raise ValueError("the agent needs at least one deployment")
+        if candidate is not None and speculative is None:
+            raise ValueError("a canary needs a speculative main deployment: the candidate head is tried against "
+                             "its head (serve it with a head: --head NAME, or a --spec with an EAGLE-3 head)")
         self.by_target: dict[str, Upstream] = {}
         if speculative is not None:
             self.by_target["speculative"] = speculative
         if plain is not None:
             self.by_target["plain"] = plain
+        if candidate is not None:
+            self.by_target["candidate"] = candidate
 
     @classmethod
     def coerce(cls, upstream: "Upstreams | Upstream | str") -> "Upstreams":
