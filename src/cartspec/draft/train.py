@@ -18,6 +18,12 @@ embedding and draft-vocabulary lm_head rows stay whole on every rank. The
 checkpoint holds the full (unsharded) state either way, so a run resumes
 under DDP, FSDP or one process alike.
 
+A warm start (``WarmStart``) begins from an exported head instead of a random
+one: every weight of the head is copied, its draft vocabulary may be widened
+(``widen_vocab``), the rows of ``lm_head`` for the head's own draft tokens are
+kept and the rows of the added tokens start from the target's ``lm_head``
+rows, as ``init_head`` starts every row of a fresh head.
+
 A checkpoint (head, optimiser, step, vocabulary) is written every
 ``save_every`` steps into ``OUT/checkpoint``; rerunning the same command with
 the same data resumes there, replaying the same batch order.
@@ -148,6 +154,76 @@ def init_head(cfg: HeadConfig, draft_ids: torch.Tensor, target: dict[str, torch.
     return head
 
 
+@dataclass
+class WarmStart:
+    """Start training from the exported head in ``head_dir``, with the draft vocabulary ``draft_ids`` (sorted
+    target ids, a superset of the head's own: ``widen_vocab``)."""
+
+    head_dir: Path
+    draft_ids: torch.Tensor
+
+
+def head_draft_ids(head_dir: Path) -> torch.Tensor:
+    """The target id of every draft id of an exported head (from its ``d2t``), sorted."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(head_dir) / "model.safetensors"), "pt") as fh:
+        d2t = fh.get_tensor("d2t").long()
+    return torch.arange(d2t.numel()) + d2t
+
+
+def widen_vocab(old_ids: Sequence[int] | torch.Tensor, reply_counts: Counter, vocab_size: int,
+                widen: int | None = None, min_count: int = 2) -> tuple[torch.Tensor, list[int]]:
+    """``old_ids`` plus the most frequent reply tokens not in them: ``widen`` of them, or (``widen`` None) every
+    one seen at least ``min_count`` times; never more than ``vocab_size`` ids in all. Returns (the new draft
+    vocabulary sorted by id, the added target ids by falling frequency)."""
+    old = [int(t) for t in (old_ids.tolist() if isinstance(old_ids, torch.Tensor) else old_ids)]
+    have = set(old)
+    room = max(0, vocab_size - len(have))
+    cands = [t for t, c in sorted(reply_counts.items(), key=lambda kv: (-kv[1], kv[0]))
+             if 0 <= int(t) < vocab_size and int(t) not in have and (widen is not None or c >= min_count)]
+    added = [int(t) for t in cands[:min(room, len(cands) if widen is None else max(0, widen))]]
+    return torch.tensor(sorted(have | set(added)), dtype=torch.long), added
+
+
+def warm_head(head_dir: Path, draft_ids: torch.Tensor, target: dict[str, torch.Tensor], target_cfg: dict[str, Any],
+              layer_ids: Sequence[int]) -> Eagle3Head:
+    """A head with the exported head's weights and the draft vocabulary ``draft_ids`` (a superset of its own):
+    the old tokens keep their ``lm_head`` rows, the added ones start from the target's ``lm_head`` rows.
+    Raises ValueError when the head does not fit the target (other sizes, vocabulary or aux layers)."""
+    from .export import load_head
+    from .head import canonical_layer_ids
+
+    parent = load_head(Path(head_dir), dtype=torch.float32)
+    pc = parent.cfg
+    want = HeadConfig.for_target(target_cfg, len(draft_ids), aux_layer_ids=list(layer_ids))
+    for field_name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "vocab_size", "target_hidden_size"):
+        if getattr(pc, field_name) != getattr(want, field_name):
+            raise ValueError(f"the head {head_dir} has {field_name} {getattr(pc, field_name)}, the target "
+                             f"{getattr(want, field_name)}: it was built for another model; train a fresh head")
+    if canonical_layer_ids(pc.aux_layer_ids) != canonical_layer_ids(layer_ids):
+        raise ValueError(f"the head {head_dir} reads aux layers {pc.aux_layer_ids}, the features hold "
+                         f"{list(layer_ids)}: train a fresh head")
+    old = parent.draft_ids
+    new = torch.as_tensor(draft_ids, dtype=torch.long)
+    pos = torch.searchsorted(new, old)
+    if bool((pos >= new.numel()).any()) or not bool((new[pos.clamp(max=new.numel() - 1)] == old).all()):
+        raise ValueError("the widened draft vocabulary must hold every draft token of the head it starts from")
+    cfg = HeadConfig.from_dict({**pc.to_dict(), "draft_vocab_size": int(new.numel())})
+    head = Eagle3Head(cfg)
+    head.set_vocab(new)
+    state = {k: v for k, v in parent.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if unexpected or set(missing) != {"lm_head.weight", "d2t", "t2d"}:
+        raise ValueError(f"the head {head_dir} does not load: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    with torch.no_grad():
+        rows = target["lm_head"][new].float()
+        rows[pos] = parent.lm_head.weight.detach().float()
+        head.lm_head.weight.copy_(rows)
+    return head
+
+
 def _plan_batches(fs: FeatureSet, batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
     """Length-bucketed batches of sequence indices, shuffled per epoch (deterministic)."""
     lens = (fs.offsets[1:] - fs.offsets[:-1]).tolist()
@@ -247,9 +323,11 @@ def _agree(flag: bool, world: int, device: str) -> bool:
 def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig,
                extra_vocab_tokens: Sequence[int] = (), data_key: str = "",
                on_step: Callable[[int, int, dict[str, Any]], None] | None = None,
-               log: Callable[[str], None] = print, device: str = "cpu") -> tuple[Eagle3Head, dict[str, Any]]:
+               log: Callable[[str], None] = print, device: str = "cpu",
+               warm: WarmStart | None = None) -> tuple[Eagle3Head, dict[str, Any]]:
     """Train (or resume) a head; returns it and a summary. ``OUT/checkpoint`` holds the state (written by
-    rank 0 under torchrun)."""
+    rank 0 under torchrun). ``warm``: start from an exported head (its weights, a widened vocabulary) instead
+    of a random head."""
     rank, world = distributed()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -265,19 +343,31 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
 
     resume = ckpt / "state.json"
     state: dict[str, Any] | None = json.loads(resume.read_text()) if resume.exists() else None
-    run_id = {"data": data_key, "cfg": {k: v for k, v in asdict(cfg).items()
-                                        if k not in ("max_minutes", "threads", "save_every", "fsdp")}}
+    run_id: dict[str, Any] = {"data": data_key, "cfg": {k: v for k, v in asdict(cfg).items()
+                                                        if k not in ("max_minutes", "threads", "save_every", "fsdp")}}
+    if warm is not None:  # a checkpoint of another start (fresh, or from another head) is not resumed
+        from ..paths import file_digest
+
+        run_id["warm"] = {"head": file_digest(Path(warm.head_dir) / "model.safetensors"),
+                          "draft_ids": [int(t) for t in warm.draft_ids.tolist()]}
     if state is not None and state.get("run_id") != run_id:
         log(f"checkpoint in {ckpt} is for another run (data or settings differ): starting over")
         state = None
     if state is not None:
         draft_ids = torch.tensor(state["draft_ids"], dtype=torch.long)
+    elif warm is not None:
+        draft_ids = torch.as_tensor(warm.draft_ids, dtype=torch.long)
     else:
         draft_ids = select_draft_vocab(Counter(fs.response_tokens()), min(cfg.draft_vocab_size, V), V,
                                        extra_tokens=extra_vocab_tokens, must=eos_ids)
-    hcfg = HeadConfig.for_target(target_cfg, len(draft_ids), aux_layer_ids=fs.layer_ids,
-                                 norm_before_residual=cfg.norm_before_residual)
-    head = init_head(hcfg, draft_ids, tw, cfg.seed).to(device)
+    if warm is not None:
+        torch.manual_seed(cfg.seed)
+        head = warm_head(Path(warm.head_dir), draft_ids, tw, target_cfg, fs.layer_ids).to(device)
+        hcfg = head.cfg
+    else:
+        hcfg = HeadConfig.for_target(target_cfg, len(draft_ids), aux_layer_ids=fs.layer_ids,
+                                     norm_before_residual=cfg.norm_before_residual)
+        head = init_head(hcfg, draft_ids, tw, cfg.seed).to(device)
     if state is not None:
         head.load_state_dict(torch.load(ckpt / "head.pt", weights_only=True, map_location=device))
     sharded = cfg.fsdp and world > 1
@@ -401,6 +491,7 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
                "stopped_early": stopped_early, "draft_vocab_size": len(draft_ids),
                "final_loss": tail[-1]["loss"] if tail else None,
                "acc_per_step_last20": [round(a, 4) for a in acc_tail], "config": asdict(cfg)}
+    summary["init"] = "warm" if warm is not None else "fresh"
     summary["world_size"] = world
     summary["sharding"] = "fsdp" if sharded else ("ddp" if world > 1 else None)
     summary["device"] = device
