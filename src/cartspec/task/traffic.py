@@ -247,7 +247,7 @@ class TrafficConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     dir: Path | None = None
-    max_file_bytes: int = Field(64 * MiB, ge=1, description="a file at or past this size is closed; the next line starts a new one")
+    max_file_bytes: int = Field(64 * MiB, ge=1, description="a line that would take a file past this starts a new file")
     max_total_bytes: int = Field(1 * GiB, ge=1, description="past this, the oldest files are deleted")
     max_age_days: float = Field(30.0, gt=0, description="files whose newest record is older than this are deleted")
     redact_defaults: bool = Field(True, description="mask order ids, e-mail addresses and phone numbers")
@@ -329,9 +329,14 @@ def _in_use(path: Path) -> bool:
     return bool(m) and _pid_alive(int(m.group(2)))
 
 
+def _started(path: Path) -> tuple[str, int, str]:
+    m = _FILE_NAME.match(path.name)
+    return (m.group(1), int(m.group(3) or 0), path.name) if m else ("", 0, path.name)
+
+
 def traffic_files(directory: str | Path) -> list[Path]:
-    """The traffic files in ``directory``, by name (the time they were started)."""
-    return sorted(p for p in Path(directory).glob(FILE_GLOB) if p.is_file())
+    """The traffic files in ``directory``, in the order they were started (by the time in the name)."""
+    return sorted((p for p in Path(directory).glob(FILE_GLOB) if p.is_file()), key=_started)
 
 
 def newest_ts(path: Path, tail_bytes: int = 1 << 16) -> float:
@@ -365,9 +370,11 @@ class PruneReport:
     bytes_deleted: int = 0
 
 
-def prune(directory: Path, max_total_bytes: int, max_age_days: float, *, now: float | None = None) -> PruneReport:
+def prune(directory: Path, max_total_bytes: int, max_age_days: float, *, reserve: int = 0,
+          now: float | None = None) -> PruneReport:
     """Delete traffic files whose newest record is older than ``max_age_days``, then the oldest ones while the
-    directory holds more than ``max_total_bytes``. Files being written are never deleted (they count in the total)."""
+    directory holds more than ``max_total_bytes - reserve`` (``reserve``: room kept for the file about to be
+    written). Files being written are never deleted; they count in the total."""
     now = time.time() if now is None else now
     report = PruneReport()
     files = []
@@ -376,14 +383,14 @@ def prune(directory: Path, max_total_bytes: int, max_age_days: float, *, now: fl
             size = p.stat().st_size
         except OSError:
             continue
-        files.append((newest_ts(p), p.name, p, size, _in_use(p)))
+        files.append((newest_ts(p), _started(p), p, size, _in_use(p)))
     files.sort()
     total = sum(f[3] for f in files)
     cutoff = now - max_age_days * 86400.0
     for ts, _, p, size, busy in files:
         if busy:
             continue
-        if ts < cutoff or total > max_total_bytes:
+        if ts < cutoff or total + reserve > max_total_bytes:
             try:
                 p.unlink()
             except FileNotFoundError:
@@ -400,12 +407,15 @@ class TrafficWriter:
     """Appends redacted records to rotating files in ``config.dir``; thread-safe.
 
     Opening repairs torn last lines left in the directory by a killed writer and
-    prunes by the limits; every ``write`` flushes its line, and a file at or past
-    ``max_file_bytes`` is closed, the limits applied again and the next line
-    starts a new file. Disk errors (a full disk) are raised by ``write``.
+    prunes by the limits. Every ``write`` flushes its line; a line that would take
+    the file past ``max_file_bytes`` starts a new file (a single longer line gets a
+    file of its own). Before a file is started the limits are applied, keeping room
+    for that file at its full size, so the directory stays under
+    ``max_total_bytes`` (files of other running writers count in the total but
+    are never deleted). Disk errors (a full disk) are raised by ``write``.
     """
 
-    PRUNE_EVERY_S = 3600.0  # also prune this often when no file fills up (the age limit)
+    PRUNE_EVERY_S = 3600.0  # also prune this often while one file is being written (the age limit)
 
     def __init__(self, config: TrafficConfig, *, redactor: Redactor | None = None):
         if config.dir is None:
@@ -421,6 +431,7 @@ class TrafficWriter:
         self._fh = None
         self.path: Path | None = None   # the file being written; None between files
         self._size = 0
+        self._last_start = ("", -1)
         self._closed = False
         self.written = 0
         self.repaired: dict[Path, int] = {}
@@ -437,12 +448,14 @@ class TrafficWriter:
 
     def _prune(self) -> PruneReport:
         self._last_prune = time.monotonic()
-        return prune(self.dir, self.config.max_total_bytes, self.config.max_age_days)
+        return prune(self.dir, self.config.max_total_bytes, self.config.max_age_days,
+                     reserve=self.config.max_file_bytes - self._size)
 
     def _new_file(self) -> None:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
         pid = os.getpid()
-        n = 0
+        # a second file in the same second is "-1", "-2", ...: never a name this writer used (and pruned) before
+        n = self._last_start[1] + 1 if self._last_start[0] == stamp else 0
         while True:
             name = f"traffic-{stamp}-{pid}.jsonl" if n == 0 else f"traffic-{stamp}-{pid}-{n}.jsonl"
             path = self.dir / name
@@ -455,6 +468,7 @@ class TrafficWriter:
         with _OPEN_LOCK:
             _OPEN_FILES.add(path.resolve())
         self._fh, self.path, self._size = fh, path, 0
+        self._last_start = (stamp, n)
 
     def _close_file(self) -> None:
         if self._fh is not None:
@@ -469,17 +483,17 @@ class TrafficWriter:
         with self._lock:
             if self._closed:
                 raise RuntimeError("this TrafficWriter is closed")
+            if self._fh is not None and self._size and self._size + len(line) > self.config.max_file_bytes:
+                self._close_file()  # full: the line goes to a new file
             if self._fh is None:
+                self._prune()
                 self._new_file()
+            elif time.monotonic() - self._last_prune > self.PRUNE_EVERY_S:
+                self._prune()
             self._fh.write(line)
             self._fh.flush()
             self._size += len(line)
             self.written += 1
-            if self._size >= self.config.max_file_bytes:
-                self._close_file()
-                self._prune()
-            elif time.monotonic() - self._last_prune > self.PRUNE_EVERY_S:
-                self._prune()
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,367 @@
+"""Recorded traffic: redaction before writing, rotation and pruning, torn-line repair, reading back,
+and the dedupe / time split a refresh trains on."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+
+import pytest
+
+from cartspec.task.data import Turn
+from cartspec.task.generator import generate
+from cartspec.task.prompts import messages as task_messages
+from cartspec.task.traffic import (
+    Redactor,
+    TrafficConfig,
+    TrafficRecord,
+    TrafficWriter,
+    dedupe,
+    read_traffic,
+    repair_torn_tail,
+    scan_traffic,
+    split_by_time,
+    traffic_files,
+)
+
+NAME = re.compile(r"^traffic-\d{8}T\d{6}-\d+(-\d+)?\.jsonl$")
+DEAD_PID = 999_999_999  # above any pid_max: a file named after it was left by a process that is gone
+
+
+def rec(i: int = 0, *, ts: float | None = None, task: str = "support", query: str | None = None,
+        reply: str = '{"topic": "order_status"}', history: list[Turn] | None = None, **kw) -> TrafficRecord:
+    query = query if query is not None else f"where is my package number {i}?"
+    msgs = [{"role": "system", "content": "You answer shoppers."}, {"role": "user", "content": query}]
+    return TrafficRecord(id=f"r{i}", ts=float(int(time.time())) if ts is None else ts, task=task, query=query,
+                         history=history or [], messages=msgs, reply=reply, temperature=0.0, structured=True, **kw)
+
+
+def shape(s: str) -> str:
+    return re.sub(r"[A-Za-z]", "a", re.sub(r"\d", "9", s))
+
+
+# --- redaction ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,value", [
+    ("where is my order 48213377?", "48213377"),             # the task's numeric ids
+    ("has order #48213377 shipped yet?", "48213377"),
+    ("cancel w123-4567 please", "w123-4567"),                # the task's letter ids, lower-cased by capitalize()
+    ("status of K905-2210", "K905-2210"),
+    ("any update on #552914?", "552914"),                    # generic "#123456"
+    ("my order is ORD-2024-00123", "2024-00123"),            # "ORD-..." keeps its prefix
+    ("order no. 98765 is late", "98765"),
+    ("order nr A1B2C3 is late", "A1B2C3"),
+    ("tracking 5551234567890", "5551234567890"),             # any long run of digits
+])
+def test_default_order_ids_are_masked_in_shape(text, value):
+    r = Redactor(key="k")
+    out, n = r.redact_text(text)
+    assert n == 1
+    assert value not in out
+    assert len(out) == len(text) and shape(out) == shape(text)  # digits -> digits, letters -> letters, separators kept
+    start = text.index(value)
+    masked = out[start:start + len(value)]
+    assert masked != value and shape(masked) == shape(value)
+    assert [c.islower() for c in masked] == [c.islower() for c in value]  # case kept
+    if value.isdigit():
+        assert masked[0] != "0"  # an 8-digit number stays an 8-digit number
+
+
+def test_ord_prefix_kept():
+    out, _ = Redactor(key="k").redact_text("my order is ORD-2024-00123")
+    assert out.startswith("my order is ORD-") and "2024-00123" not in out
+
+
+@pytest.mark.parametrize("text", [
+    "email me at jane.doe+shop@gmail.com please",
+    "Contact: J_Smith@mail.example.co.uk.",
+])
+def test_emails_become_a_fixed_shape(text):
+    out, n = Redactor(key="k").redact_text(text)
+    assert n == 1
+    assert "@gmail" not in out and "J_Smith" not in out
+    assert re.search(r"\buser-[0-9a-f]{6}@example\.com\b", out)
+
+
+@pytest.mark.parametrize("phone", ["+1 (555) 123-4567", "+44 20 7946 0958", "+49-30-1234567", "(555) 123-4567",
+                                   "555-123-4567", "555.123.4567", "555 123 4567"])
+def test_phones_are_masked(phone):
+    text = f"call me on {phone} tomorrow"
+    out, n = Redactor(key="k").redact_text(text)
+    assert n == 1 and phone not in out
+    assert shape(out) == shape(text)
+
+
+@pytest.mark.parametrize("text", [
+    "size 10, under $120",
+    "nike air max 90",
+    "running shoes between 50-200 usd, 4.5 stars and up",
+    "laptops 1200-5000, 49.99-199.99 dollars",
+    "jpy 30000 or 10k max, size 42 eu",
+    "sort by price low to high, order by rating",
+    "sony wh-1000xm4 headphones, iphone 15 pro 256gb",
+    "released 2024-01-05, ships in 3-5 days",
+    "a 2 for $30 deal on 3 pairs, item 12 of 20",
+    "we are #1 in shoes",
+])
+def test_text_without_personal_data_is_unchanged(text):
+    out, n = Redactor(key="k").redact_text(text)
+    assert (out, n) == (text, 0)
+
+
+def test_generated_traffic_masks_every_order_id_and_nothing_else():
+    r = Redactor(key="k")
+    with_id = 0
+    for req in generate("test", 600, seed=3):
+        oid = (req.gold or {}).get("order_id")
+        reply = json.dumps(req.gold)
+        texts = [req.query, reply] + [t.content for t in req.history] + [m["content"] for m in task_messages(req)]
+        masked = [r.redact_text(t) for t in texts]
+        if not oid:
+            assert all(n == 0 for _, n in masked), req.query  # no false positive on search or support words
+            continue
+        with_id += 1
+        assert all(oid.lower() not in m.lower() for m, _ in masked)
+        pseudo = json.loads(masked[1][0])["order_id"]
+        assert shape(pseudo) == shape(oid) and pseudo.lower() in masked[0][0].lower()  # the reply still copies it
+    assert with_id >= 10
+
+
+def test_record_is_masked_consistently_across_query_history_messages_and_reply():
+    r = Redactor(key="secret")
+    q = "Where is order #48213377? mail jane@shop.com or call 555-123-4567"
+    record = rec(query=q, history=[Turn(role="user", content="hi, it's about 48213377"),
+                                   Turn(role="assistant", content="Which order?")],
+                 reply='{"topic": "order_status", "order_id": "48213377"}', redactions=1)
+    record = record.model_copy(update={"messages": record.messages + [{"role": "user", "content": "jane@shop.com"}]})
+    out = r.redact_record(record)
+    pseudo = json.loads(out.reply)["order_id"]
+    assert pseudo != "48213377" and len(pseudo) == 8 and pseudo.isdigit()
+    assert f"#{pseudo}" in out.query and pseudo in out.history[0].content
+    assert out.messages[1]["content"] == out.query            # the message sent is the query, masked the same way
+    assert out.messages[0] == record.messages[0]              # the system prompt has nothing to mask
+    email = re.search(r"user-[0-9a-f]{6}@example\.com", out.query).group(0)
+    assert out.messages[2]["content"] == email
+    dump = out.model_dump_json()
+    assert "48213377" not in dump and "jane@shop.com" not in dump and "555-123-4567" not in dump
+    assert out.redactions == 1 + 3 + 1 + 3 + 1 + 1  # earlier count + query + history + messages + reply
+    assert [m["role"] for m in out.messages] == ["system", "user", "user"]
+    # the same key gives the same pseudonyms; another key other ones
+    assert Redactor(key="secret").redact_record(record).reply == out.reply
+    assert Redactor(key="other").redact_record(record).reply != out.reply
+
+
+def test_user_patterns_on_top_of_the_defaults():
+    r = Redactor([r"cust(?P<v>\d{4})", r"(?i)loyalty card \w+"], key="k")
+    out, n = r.redact_text("cust1234 with loyalty card XYZ99, order 48213377")
+    assert n == 3
+    assert out.startswith("cust") and "1234" not in out and "XYZ99" not in out and "48213377" not in out
+    # user patterns only
+    out, n = Redactor([r"cust\d+"], defaults=False, key="k").redact_text("cust1234 order 48213377")
+    assert n == 1 and out.endswith("order 48213377")
+
+
+def test_bad_user_patterns_are_refused_with_the_pattern_named():
+    with pytest.raises(ValueError, match=r"\(unclosed"):
+        TrafficConfig(dir=None, redact_patterns=["(unclosed"])
+    with pytest.raises(ValueError, match="matches empty text"):
+        Redactor([r"\d*"])
+
+
+def test_writer_redacts_before_writing(tmp_path):
+    with TrafficWriter(TrafficConfig(dir=tmp_path, redact_key="k")) as w:
+        w.write(rec(query="where is 48213377?", reply='{"order_id": "48213377"}'))
+    (f,) = traffic_files(tmp_path)
+    assert "48213377" not in f.read_text()
+    (back,) = read_traffic(tmp_path)
+    assert back.redactions == 3  # the query, the user message and the reply
+    assert json.loads(back.reply)["order_id"] in back.query
+
+
+# --- writer: files, rotation, pruning ---------------------------------------------------------------------------
+
+def test_round_trip(tmp_path):
+    records = [rec(i, ts=1000.0 + i, route="speculative", deployment="eagle3-domain-g3", head="domain",
+                   head_version="v0002", gamma=3, proposed=30, accepted=21, drafts=10, output_tokens=40,
+                   latency_ms=812.5) for i in range(5)]
+    with TrafficWriter(TrafficConfig(dir=tmp_path / "t")) as w:
+        for r in reversed(records):
+            w.write(r)
+        assert w.path is not None and NAME.match(w.path.name) and str(os.getpid()) in w.path.name
+    back = read_traffic(tmp_path / "t")
+    assert [r.id for r in back] == [f"r{i}" for i in range(5)]  # sorted by ts
+    assert back[0].model_dump(exclude={"redactions"}) == records[0].model_dump(exclude={"redactions"})
+    assert back[0].tau == pytest.approx(3.1) and rec(drafts=0).tau is None
+    req = back[0].request()
+    assert (req.id, req.task, req.query) == ("r0", "support", records[0].query)
+    # one file read directly, windows by time
+    assert len(read_traffic(traffic_files(tmp_path / "t")[0])) == 5
+    assert [r.id for r in read_traffic(tmp_path / "t", since=1001, until=1003)] == ["r1", "r2"]
+    # a line from a later version with more fields still reads
+    f = traffic_files(tmp_path / "t")[0]
+    line = json.loads(f.read_text().splitlines()[0])
+    with f.open("a") as fh:
+        fh.write(json.dumps({**line, "id": "future", "ts": 2000.0, "v": 2, "new_field": 1}) + "\n")
+    assert read_traffic(f)[-1].id == "future"
+
+
+def test_missing_path_says_what_to_give(tmp_path):
+    with pytest.raises(FileNotFoundError, match="record-traffic"):
+        read_traffic(tmp_path / "nope")
+    assert read_traffic(tmp_path) == []
+
+
+def test_off_config_refuses_a_writer():
+    assert not TrafficConfig().enabled
+    with pytest.raises(ValueError, match="off"):
+        TrafficWriter(TrafficConfig())
+
+
+def test_rotation_by_size(tmp_path):
+    line = len(rec(0).model_dump_json()) + 1
+    cfg = TrafficConfig(dir=tmp_path, max_file_bytes=3 * line)
+    with TrafficWriter(cfg) as w:
+        for i in range(10):
+            w.write(rec(i, ts=float(int(time.time()) + i)))  # lines of one length: ids r0..r9, whole seconds
+    files = traffic_files(tmp_path)
+    assert len(files) == 4 and all(NAME.match(f.name) for f in files)
+    assert [len(f.read_text().splitlines()) for f in files] == [3, 3, 3, 1]
+    assert all(f.stat().st_size <= cfg.max_file_bytes for f in files)
+    assert [r.id for r in read_traffic(tmp_path)] == [f"r{i}" for i in range(10)]
+
+
+def test_prune_by_total_size_keeps_the_newest(tmp_path):
+    line = len(rec(0).model_dump_json()) + 1
+    cfg = TrafficConfig(dir=tmp_path, max_file_bytes=2 * line, max_total_bytes=5 * line)
+    with TrafficWriter(cfg) as w:
+        for i in range(10):
+            w.write(rec(i))
+            assert sum(f.stat().st_size for f in traffic_files(tmp_path)) <= cfg.max_total_bytes
+    assert [r.id for r in read_traffic(tmp_path)] == ["r6", "r7", "r8", "r9"]
+
+
+def test_prune_by_age_on_open(tmp_path):
+    day = 86400.0
+    now = time.time()
+    old = tmp_path / f"traffic-20200101T000000-{DEAD_PID}.jsonl"
+    old.write_text(rec(1, ts=now - 40 * day).model_dump_json() + "\n")
+    recent = tmp_path / f"traffic-20200102T000000-{DEAD_PID}.jsonl"
+    recent.write_text(rec(2, ts=now - 40 * day).model_dump_json() + "\n" + rec(3, ts=now - day).model_dump_json() + "\n")
+    unreadable = tmp_path / f"traffic-20200103T000000-{DEAD_PID}.jsonl"  # no record: its mtime decides
+    unreadable.write_text("not json\n")
+    os.utime(unreadable, (now - 40 * day, now - 40 * day))
+    other = tmp_path / "notes.jsonl"
+    other.write_text("{}\n")
+    os.utime(other, (now - 40 * day, now - 40 * day))
+    w = TrafficWriter(TrafficConfig(dir=tmp_path, max_age_days=30))
+    assert sorted(p.name for p in w.pruned.deleted) == [old.name, unreadable.name]
+    assert recent.exists() and other.exists()  # only traffic files are pruned
+    w.close()
+
+
+def test_the_file_being_written_is_never_pruned(tmp_path):
+    cfg = TrafficConfig(dir=tmp_path, max_age_days=1)
+    with TrafficWriter(cfg) as w:
+        w.write(rec(0, ts=time.time() - 10 * 86400))
+        current = w.path
+        w.PRUNE_EVERY_S = 0.0
+        w.write(rec(1, ts=time.time() - 10 * 86400))
+        assert current.exists()
+        other = TrafficWriter(cfg)  # another writer of this process opens the same directory
+        assert current.exists() and current not in other.pruned.deleted
+        other.close()
+    assert TrafficWriter(cfg).pruned.deleted == [current]  # closed and old: pruned by the next writer
+
+
+def test_threads_write_whole_lines(tmp_path):
+    line = len(rec(0).model_dump_json()) + 1
+    with TrafficWriter(TrafficConfig(dir=tmp_path, max_file_bytes=50 * line)) as w:
+        def work(k: int) -> None:
+            for i in range(100):
+                w.write(rec(k * 1000 + i))
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    scan = scan_traffic(tmp_path)
+    assert len(scan.records) == 400 and scan.skipped == 0 and len(scan.files) >= 8
+
+
+# --- torn lines ---------------------------------------------------------------------------------------------------
+
+def test_torn_last_line_is_skipped_then_repaired(tmp_path):
+    t0 = time.time()
+    good = [rec(i, ts=t0 + i).model_dump_json() for i in range(3)]
+    torn = rec(3, ts=t0 + 3).model_dump_json()[:57]  # the agent killed mid-write
+    f = tmp_path / f"traffic-20260101T000000-{DEAD_PID}.jsonl"
+    f.write_text("\n".join(good) + "\n" + torn)
+    scan = scan_traffic(tmp_path)
+    assert [r.id for r in scan.records] == ["r0", "r1", "r2"] and scan.skipped == 1
+    size = f.stat().st_size
+    with TrafficWriter(TrafficConfig(dir=tmp_path)) as w:
+        assert w.repaired == {f: len(torn)}
+        assert f.stat().st_size == size - len(torn) and f.read_text().endswith("\n")
+        w.write(rec(4, ts=t0 + 4))
+    scan = scan_traffic(tmp_path)
+    assert [r.id for r in scan.records] == ["r0", "r1", "r2", "r4"] and scan.skipped == 0
+
+
+def test_repair_torn_tail_edges(tmp_path):
+    f = tmp_path / "x.jsonl"
+    f.write_bytes(b"")
+    assert repair_torn_tail(f) == 0
+    f.write_bytes(b'{"a": 1}\n')
+    assert repair_torn_tail(f) == 0 and f.read_bytes() == b'{"a": 1}\n'
+    f.write_bytes(b'{"a": 1')  # a single torn line: nothing left
+    assert repair_torn_tail(f) == 7 and f.read_bytes() == b""
+    big = b"x" * 200_000  # a torn line longer than one read-back chunk
+    f.write_bytes(b'{"a": 1}\n' + big)
+    assert repair_torn_tail(f) == len(big) and f.read_bytes() == b'{"a": 1}\n'
+
+
+def test_a_file_of_a_running_process_is_not_repaired(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        f = tmp_path / f"traffic-20260101T000000-{proc.pid}.jsonl"
+        f.write_text(rec(0).model_dump_json() + "\n" + '{"v": 1, "id"')
+        with TrafficWriter(TrafficConfig(dir=tmp_path)) as w:
+            assert w.repaired == {}
+        assert f.read_text().endswith('"id"')
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# --- dedupe and time split ----------------------------------------------------------------------------------------
+
+def test_dedupe_keeps_the_latest_of_each_request():
+    rs = [
+        rec(0, ts=10, query="Where is my  order?"),
+        rec(1, ts=30, query="where is my order?"),                   # same after whitespace/case: the latest wins
+        rec(2, ts=20, query="WHERE is my order? "),
+        rec(3, ts=15, query="where is my order?", task="search"),    # another task
+        rec(4, ts=25, query="where is my order?", history=[Turn(role="user", content="hi")]),  # another history
+        rec(5, ts=26, query="where is my order?", history=[Turn(role="user", content=" HI ")]),
+    ]
+    out = dedupe(rs)
+    assert [r.id for r in out] == ["r3", "r5", "r1"]
+
+
+def test_split_by_time_holds_out_the_most_recent_share():
+    rs = [rec(i, ts=float(t)) for i, t in enumerate([5, 1, 9, 3, 7, 2, 8, 4, 6, 10])]
+    train, held = split_by_time(rs, 0.2)
+    assert [r.ts for r in train] == [1, 2, 3, 4, 5, 6, 7, 8] and [r.ts for r in held] == [9, 10]
+    assert max(r.ts for r in train) <= min(r.ts for r in held)
+    train, held = split_by_time(rs[:3], 0.1)  # a share that rounds to nothing still holds out one
+    assert len(train) == 2 and len(held) == 1
+    assert split_by_time(rs, 0.0) == (sorted(rs, key=lambda r: r.ts), [])
+    assert split_by_time([], 0.2) == ([], [])
+    with pytest.raises(ValueError, match="held_out"):
+        split_by_time(rs, 1.0)
