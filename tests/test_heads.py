@@ -251,11 +251,12 @@ def test_cli(home, tmp_path):
     assert res.exit_code == 2 and "pinned to target bbbb" in out and "--force" in out
     res, out = _run("heads", "add", "shop", str(tmp_path / "h2"), "--force")
     assert res.exit_code == 0, out
-    HeadRegistry("shop").write_gate("v2", {"decision": "not eligible", "tau_current": 3.15, "tau_candidate": 2.8})
+    HeadRegistry("shop").write_gate("v2", {"eligible": False, "tau_current": 3.15, "tau_candidate": 2.8,
+                                          "diff": -0.35, "ci_low": -0.5, "ci_high": -0.2})
     res, out = _run("heads", "list")
     assert res.exit_code == 0, out
     assert "v0001" in out and "v0002" in out and "candidate" in out and "not eligible" in out
-    assert "tau_candidate=2.800" in out and "52ff126cc750faa7" in out
+    assert "2.80 vs 3.15 (Δ -0.35 [-0.50, -0.20])" in out and "52ff126cc750faa7" in out
     res, out = _run("heads", "promote", "shop@v2")
     assert res.exit_code == 2 and "pinned" in out
     res, out = _run("heads", "promote", "shop@v2", "--force", "--reason", "new target")
@@ -263,7 +264,7 @@ def test_cli(home, tmp_path):
     assert HeadRegistry("shop").current().version == "v0002"
     res, out = _run("heads", "show", "shop")
     assert res.exit_code == 0, out
-    assert "shop@v0002 current" in out and "new target" in out and "not eligible" in out
+    assert "shop@v0002 current" in out and "new target" in out and "\"eligible\": false" in out
     res, out = _run("heads", "rollback", "shop", "--reason", "drill")
     assert res.exit_code == 0, out
     assert HeadRegistry("shop").current().version == "v0001"
@@ -300,7 +301,8 @@ def test_study_points_record_the_head_version(home, tmp_path):
     assert p2.head_version == "shop@v0002" and p2.key != p1.key
     plain = p1.model_copy(update={"head": "domain", "head_version": None})
     old = json.loads(plain.model_dump_json())
-    old.pop("head_version")
-    assert PointConfig.model_validate(old).key == plain.key  # files written before the field load, same key
+    assert "head_version" not in old  # written as before the field existed
+    assert PointConfig.model_validate(old).key == plain.key
+    assert PointConfig.model_validate(json.loads(p2.model_dump_json())) == p2  # files written before the field load, same key
     info = DeploymentInfo.model_validate({"label": "x", "method": "eagle3", "model": "m"})
     assert info.head_version is None

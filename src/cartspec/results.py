@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 import numpy as np
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from .paths import config_digest
 from .task.data import append_jsonl, read_jsonl
@@ -126,9 +126,15 @@ class PointConfig(BaseModel):
         for name in ("samples", "rounds"):  # points measured before these existed keep their keys (resume)
             if dump[name] == 1:
                 dump.pop(name)
-        if dump["head_version"] is None:
-            dump.pop("head_version")
         return config_digest(dump)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_version(self, handler: Any) -> dict[str, Any]:
+        # a head outside a head registry: written (and keyed) as before the field existed
+        data = handler(self)
+        if data.get("head_version") is None:
+            data.pop("head_version", None)
+        return data
 
     def slice_bounds(self) -> list[tuple[int, int]]:
         """(first request, requests) of each slice: ``rounds`` runs of consecutive requests, fewer where a

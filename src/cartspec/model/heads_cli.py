@@ -51,17 +51,21 @@ def _when(ts: float | None) -> str:
 
 
 def gate_summary(gate: dict[str, Any] | None) -> tuple[str, str]:
-    """(decision, τ figures) of a gate.json for a table cell: the decision as written, and every τ figure
-    found at its top level or under ``figures``."""
+    """(decision, τ figures) of a gate.json for a table cell: "eligible" / "not eligible", and the
+    candidate's τ against current's with the paired difference's interval where the gate wrote them."""
     if not gate:
         return "-", "-"
     decision = gate.get("decision")
     if decision is None and "eligible" in gate:
         decision = "eligible" if gate["eligible"] else "not eligible"
-    figs = {**(gate.get("figures") or {}), **gate} if isinstance(gate.get("figures"), dict) else gate
-    taus = [f"{k}={v:.3f}" for k, v in figs.items() if "tau" in k.lower() and isinstance(v, (int, float))
-            and not isinstance(v, bool)]
-    return str(decision if decision is not None else "?"), " ".join(taus) or "-"
+    num = {k: v for k, v in gate.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    if "tau_candidate" in num and "tau_current" in num:
+        taus = f"{num['tau_candidate']:.2f} vs {num['tau_current']:.2f}"
+        if "diff" in num and "ci_low" in num and "ci_high" in num:
+            taus += f" (Δ {num['diff']:+.2f} [{num['ci_low']:+.2f}, {num['ci_high']:+.2f}])"
+    else:
+        taus = " ".join(f"{k}={v:.2f}" for k, v in num.items() if "tau" in k.lower())
+    return str(decision if decision is not None else "?"), taus or "-"
 
 
 @heads_app.command("add")
@@ -110,7 +114,7 @@ def list_(name: Optional[str] = typer.Argument(None, help="one registry (default
         console.print(f"no head registries in {default_root()}: register one with `cartspec heads add NAME HEAD_DIR`")
         return
     t = Table(title="draft head versions", box=box.SIMPLE_HEAD)
-    for col in ("name", "version", "status", "created (UTC)", "parent", "target", "gate", "τ (gate)"):
+    for col in ("name", "version", "status", "created (UTC)", "parent", "target", "gate", "τ candidate vs current (gate)"):
         t.add_column(col)
     styles = {"current": "bold green", "candidate": "yellow", "rejected": "red", "retired": "dim"}
     for n in names:
@@ -153,6 +157,8 @@ def show(ref: str = typer.Argument(..., help="NAME (its current version) or NAME
     gate = reg.gate(v.version)
     out.print("[bold]gate[/]" + ("" if gate else ": none written"))
     if gate:
+        decision, taus = gate_summary(gate)
+        out.print(f"  {decision}; τ {taus}", markup=False)
         out.print(json.dumps(gate, indent=2, default=str), soft_wrap=True, markup=False)
     events = [e for e in reg.events() if v.version in (e.get("version"), e.get("from"), e.get("to"))]
     out.print("[bold]events[/]" + ("" if events else ": none"))
