@@ -204,3 +204,159 @@ def test_gate_reports_refuses_what_cannot_be_compared():
     sim = AcceptanceReport.model_validate({"mode": "simulate", "gamma": GAMMA, "target": "/m/commerce"})
     with pytest.raises(GateError, match="no per-reply steps"):
         gate_reports(sim, r3, reqs(5), classify=classify)
+
+
+# --- the command ----------------------------------------------------------------------------------------------
+
+T0 = 1_800_000_000.0
+
+
+def _head_dir(path, tag: str):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"], "tag": "%s"}\n' % tag)
+    (path / "model.safetensors").write_bytes(tag.encode())
+    return path
+
+
+def _traffic(dir_, n: int, t0: float = T0):
+    """n records one second apart, each a different query; the last repeats the first's words."""
+    from cartspec.task.traffic import TrafficRecord
+
+    dir_.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i in range(n):
+        q = f"red running shoes size {i % (n - 1) if i == n - 1 else i}" if n > 1 else "red running shoes"
+        lines.append(TrafficRecord(id=f"req-{i}", ts=t0 + i, task="search", query=q, history=[],
+                                   messages=[{"role": "user", "content": q}], reply='{"query": "%s"}' % q,
+                                   temperature=0.0, structured=False, gamma=GAMMA).model_dump_json())
+    (dir_ / "traffic-20270115T080000-1.jsonl").write_text("\n".join(lines) + "\n")
+    return dir_
+
+
+@pytest.fixture
+def registry(tmp_path, monkeypatch):
+    """A registry `shop` with v0001 current and v0002 a candidate trained on traffic up to T0 + 99."""
+    from cartspec.model.heads import HeadRegistry
+
+    monkeypatch.setenv("CARTSPEC_HOME", str(tmp_path / "home"))
+    reg = HeadRegistry("shop")
+    reg.add(_head_dir(tmp_path / "h1", "one"))
+    reg.add(_head_dir(tmp_path / "h2", "two"), parent="v0001",
+            provenance={"data_window": {"first": T0, "until": T0 + 99, "n": 100}})
+    return reg
+
+
+def fake_measure(better: str = "shop@v0002", calls: list | None = None, worse_class: bool = False):
+    """measure_vllm's stand-in: the `better` head accepts 2-3 of γ=3 per step, the other 0-2; replies are the
+    tokens of a JSON echo of the query, so token classes come from the real tokenizer."""
+    from transformers import AutoTokenizer
+
+    from cartspec.model.registry import resolve_head, resolve_model
+
+    def measure(target, method, gamma, reqs, head=None, on_done=None, **kw):
+        if calls is not None:
+            calls.append(head)
+        tok = AutoTokenizer.from_pretrained(resolve_model(target))
+        rng = np.random.default_rng(len(head or ""))
+        replies = []
+        for i, r in enumerate(reqs):
+            ids = tok('{"query": "%s", "page": 1}' % r.query, add_special_tokens=False).input_ids
+            lo, hi = (2, 4) if head == better else (0, 3)
+            acc = [int(x) for x in rng.integers(lo, hi, max(1, len(ids) // 3))]
+            replies.append({"id": r.id, "token_ids": ids, "per_step_accepted": acc})
+            if on_done:
+                on_done(i + 1, len(reqs))
+        return {"tau": 2.0, "mode": "vllm", "method": method, "gamma": gamma, "target": str(resolve_model(target)),
+                "head": str(resolve_head(head)), "n": len(reqs), "temperature": 0.0, "max_tokens": kw["max_tokens"],
+                "requests_without_step_metrics": 0, "replies": replies}
+
+    return measure
+
+
+def _gate(args):
+    from typer.testing import CliRunner
+
+    from cartspec.cli import app
+
+    return CliRunner().invoke(app, ["draft", "gate", "--head", "shop", "--candidate", "v0002", *args])
+
+
+def test_gate_command_measures_both_heads_and_writes_the_decision(registry, tmp_path, tiny_llama_dir,
+                                                                   monkeypatch):
+    from cartspec.draft import acceptance
+
+    calls: list = []
+    monkeypatch.setattr(acceptance, "measure_vllm", fake_measure(calls=calls))
+    traffic = _traffic(tmp_path / "traffic", 300)
+    out = tmp_path / "decision.json"
+    res = _gate(["--traffic", str(traffic), "--target", str(tiny_llama_dir), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert calls == ["shop@v0002", "shop@v0001"]  # candidate first, then current
+    d = GateDecision.load(out)
+    assert d.eligible and (d.candidate, d.current, d.gamma) == ("shop@v0002", "shop@v0001", GAMMA)
+    # the most recent 20% of 299 distinct requests: ts T0+240..T0+299, all after the candidate's training
+    # window (until T0+99); but the last record repeats req-0's words, trained on: left out
+    h = d.held_out
+    assert (h.records, h.held_out, h.left_out_trained, h.requests) == (299, 60, 1, 59)
+    assert h.after == T0 + 99 and h.served_gamma == [GAMMA]
+    gate_json = registry.gate("v0002")
+    assert GateDecision.model_validate(gate_json) == d
+    for side, v in (("candidate", "v0002"), ("current", "v0001")):
+        p = registry.get("v0002").path / f"gate-acceptance-{v}.json"
+        assert d.reports[side] == str(p)
+        assert [x.id for x in AcceptanceReport.load(p).replies] == [f"req-{i}" for i in range(240, 299)]
+    assert "eligible" in res.stdout and "τ" in res.stdout and "held out the most recent 20%" in res.output
+    assert registry.get("v0002").status == "candidate"  # the gate decides; promotion is `heads promote`'s
+
+    # a rerun with the same requests reuses the measured reports
+    calls.clear()
+    res = _gate(["--traffic", str(traffic), "--target", str(tiny_llama_dir)])
+    assert res.exit_code == 0, res.output
+    assert calls == [] and res.output.count("reusing") == 2
+
+
+def test_gate_command_not_eligible_exits_0(registry, tmp_path, tiny_llama_dir, monkeypatch):
+    from cartspec.draft import acceptance
+
+    monkeypatch.setattr(acceptance, "measure_vllm", fake_measure(better="shop@v0001"))
+    res = _gate(["--traffic", str(_traffic(tmp_path / "traffic", 300)), "--target", str(tiny_llama_dir)])
+    assert res.exit_code == 0, res.output
+    d = GateDecision.model_validate(registry.gate("v0002"))
+    assert not d.eligible and d.ci_high < 0
+    assert "not eligible" in res.stdout
+
+
+def test_gate_command_leaves_out_what_the_candidate_trained_on(registry, tmp_path, tiny_llama_dir, monkeypatch):
+    from cartspec.draft import acceptance
+
+    calls: list = []
+    monkeypatch.setattr(acceptance, "measure_vllm", fake_measure(calls=calls))
+    # 150 distinct requests from T0-29 to T0+120 (the last repeats the first's words): the held-out half
+    # (T0+46..T0+120) reaches back before the training window's end (T0+99): 54 records trained on are left
+    # out, and the last, which repeats a trained request
+    traffic = _traffic(tmp_path / "traffic", 151, t0=T0 - 30)
+    res = _gate(["--traffic", str(traffic), "--target", str(tiny_llama_dir), "--held-out", "0.5"])
+    assert res.exit_code == 0, res.output
+    d = GateDecision.model_validate(registry.gate("v0002"))
+    h = d.held_out
+    assert h.records == 150 and h.held_out == 75
+    assert h.left_out_trained == 55 and h.requests == 20 and h.first_ts == T0 + 100
+    assert calls == []  # 20 < min_requests: not measured
+    assert not d.eligible and "only 20 held-out requests" in d.reasons[0]
+
+
+def test_gate_command_refuses_a_missing_registry_or_version(registry, tmp_path):
+    from typer.testing import CliRunner
+
+    from cartspec.cli import app
+
+    traffic = _traffic(tmp_path / "traffic", 10)
+    res = CliRunner().invoke(app, ["draft", "gate", "--head", "nope", "--candidate", "v0002", "--traffic",
+                                   str(traffic)])
+    assert res.exit_code == 2 and "no head registry 'nope'" in res.output
+    res = CliRunner().invoke(app, ["draft", "gate", "--head", "shop", "--candidate", "v0009", "--traffic",
+                                   str(traffic)])
+    assert res.exit_code == 2 and "no version v0009" in res.output
+    res = CliRunner().invoke(app, ["draft", "gate", "--head", "shop", "--candidate", "v0001", "--traffic",
+                                   str(traffic)])
+    assert res.exit_code == 2 and "is the current version" in res.output

@@ -97,6 +97,7 @@ class HeldOut(BaseModel):
     requests: int = 0
     first_ts: float | None = None
     last_ts: float | None = None
+    served_gamma: list[int] = Field(default_factory=list, description="the γ the held-out records were served at")
     note: str | None = None
 
 
@@ -339,8 +340,8 @@ def decide(candidate: Sequence[RequestCounts], current: Sequence[RequestCounts],
             cg.worse = cg.judged and civ is not None and civ[1] < 0
         classes.append(cg)
         if cg.worse:
-            reasons.append(f"class {k} worse: {_signed(cg.diff)} {_iv(cg.ci_low, cg.ci_high)} "  # type: ignore[arg-type]
-                           f"({cg.current:.3f} -> {cg.candidate:.3f})")
+            reasons.append(f"class {k} worse: {_signed(cg.diff)} "  # type: ignore[arg-type]
+                           f"{_iv(cg.ci_low, cg.ci_high)} ({cg.current:.3f} -> {cg.candidate:.3f})")  # type: ignore[arg-type]
     worse = [c.token_class for c in classes if c.worse]
     unjudged = [c.token_class for c in classes if not c.judged]
     if not worse:
