@@ -279,3 +279,21 @@ def test_fresh_refresh_picks_its_vocabulary_from_the_traffic(tmp_path, home, tin
     p = res.provenance
     assert p["init"] == "fresh" and p["vocab"]["size"] == 300 and p["vocab"]["train_outside_new"] == 0
     assert p["training"]["lr"] == 1e-3 and reg.get("v0002").status == "candidate"
+
+
+def test_the_command_refuses_clearly_and_registers_a_candidate(tmp_path, home, tiny_llama_dir, fake_vllm):
+    from typer.testing import CliRunner
+
+    from cartspec.cli import app
+
+    runner = CliRunner()
+    traffic = standard_traffic(tmp_path / "t")
+    r = runner.invoke(app, ["draft", "refresh", "--traffic", str(traffic), "--head", "shop"])
+    assert r.exit_code == 2 and "--from domain" in r.output
+    r = runner.invoke(app, ["draft", "refresh", "--traffic", str(traffic), "--head", "shop", "--init", "warm"])
+    assert r.exit_code == 2 and "--init must be current or fresh" in r.output
+    parent = make_parent(tiny_llama_dir, tmp_path / "parent")
+    r = runner.invoke(app, ["draft", "refresh", "--traffic", str(traffic), "--head", "shop", "--from", str(parent),
+                            "--steps", "1", "--batch-tokens", "1024", "--device", "cpu", "--widen", "5"])
+    assert r.exit_code == 0, r.output
+    assert "candidate shop@v0002" in r.output and "+5 draft tokens" in r.output
