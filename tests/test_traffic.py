@@ -249,7 +249,8 @@ def test_prune_by_age_on_open(tmp_path):
     old = tmp_path / f"traffic-20200101T000000-{DEAD_PID}.jsonl"
     old.write_text(rec(1, ts=now - 40 * day).model_dump_json() + "\n")
     recent = tmp_path / f"traffic-20200102T000000-{DEAD_PID}.jsonl"
-    recent.write_text(rec(2, ts=now - 40 * day).model_dump_json() + "\n" + rec(3, ts=now - day).model_dump_json() + "\n")
+    recent.write_text(rec(2, ts=now - 40 * day).model_dump_json() + "\n"
+                      + rec(3, ts=now - day).model_dump_json() + "\n")
     unreadable = tmp_path / f"traffic-20200103T000000-{DEAD_PID}.jsonl"  # no record: its mtime decides
     unreadable.write_text("not json\n")
     os.utime(unreadable, (now - 40 * day, now - 40 * day))
@@ -365,3 +366,18 @@ def test_split_by_time_holds_out_the_most_recent_share():
     assert split_by_time([], 0.2) == ([], [])
     with pytest.raises(ValueError, match="held_out"):
         split_by_time(rs, 1.0)
+
+
+def test_the_documented_example_line_is_what_the_writer_writes():
+    from pathlib import Path
+
+    from cartspec.task.data import Request
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "traffic.md").read_text()
+    line = re.search(r"```json\n(\{.*\})\n```", doc).group(1)
+    documented = TrafficRecord.model_validate_json(line)
+    q = "where is my order #48213377? reach me at jane.doe@gmail.com"
+    raw = documented.model_copy(update={
+        "query": q, "messages": task_messages(Request(task="support", query=q)),
+        "reply": '{"topic":"order_status","order_id":"48213377"}', "redactions": 0})
+    assert Redactor(key="docs").redact_record(raw).model_dump_json() == line

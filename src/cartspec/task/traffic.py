@@ -79,7 +79,8 @@ class TrafficRecord(BaseModel):
 
 # --- redaction ------------------------------------------------------------------------------------------------
 
-_NOT_AFTER = r"(?<![\w$€£¥.,+#-])"  # a value starts at a word boundary and not after a currency sign or a decimal point
+# a value starts at a word boundary, not after a currency sign, a decimal point, "+", "#" or "-"
+_NOT_AFTER = r"(?<![\w$€£¥.,+#-])"
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,8 @@ DEFAULT_PATTERNS: tuple[_Pattern, ...] = (
     _Pattern("phone", re.compile(_NOT_AFTER + r"(?:\(\d{3}\)\s?|\d{3}[\s.-])\d{3}[\s.-]\d{4}(?!\w|[.,-]\d)")),
     # order ids: "ORD-2024-00123" (the prefix is kept), "order 12345678", "order no. A123-4567", "#123456"
     _Pattern("order_id", re.compile(r"\bORD[-_#:]?(?P<v>" + _ID + r")\b", re.I), min_alnum=4, needs_digit=True),
-    _Pattern("order_id", re.compile(r"\border\s*(?:(?:no|nr|number|id)\b\.?\s*)?[:#]?\s*(?P<v>(?=[A-Z_-]*\d)" + _ID + r")\b",
-                                    re.I), min_alnum=5, needs_digit=True),
+    _Pattern("order_id", re.compile(r"\border\s*(?:(?:no|nr|number|id)\b\.?\s*)?[:#]?\s*"
+                                    r"(?P<v>(?=[A-Z_-]*\d)" + _ID + r")\b", re.I), min_alnum=5, needs_digit=True),
     _Pattern("order_id", re.compile(r"(?<![\w&])#(?P<v>" + _ID + r")\b", re.I), min_alnum=4, needs_digit=True),
     # the commerce task's own ids: "W123-4567" (any case: a capitalised query lower-cases it)
     _Pattern("order_id", re.compile(r"\b[A-Z]{1,3}\d{2,}-\d{3,}\b", re.I)),
@@ -251,7 +252,8 @@ class TrafficConfig(BaseModel):
     max_total_bytes: int = Field(1 * GiB, ge=1, description="past this, the oldest files are deleted")
     max_age_days: float = Field(30.0, gt=0, description="files whose newest record is older than this are deleted")
     redact_defaults: bool = Field(True, description="mask order ids, e-mail addresses and phone numbers")
-    redact_patterns: list[str] = Field(default_factory=list, description="more regexes to mask (group 'v': only that part)")
+    redact_patterns: list[str] = Field(default_factory=list,
+                                       description="more regexes to mask (with a group 'v': only that part)")
     redact_key: str | None = Field(None, description="key of the pseudonyms; unset: a random key per writer")
 
     @field_validator("redact_patterns")
@@ -569,7 +571,7 @@ def request_key(rec: TrafficRecord) -> tuple:
 
 
 def dedupe(records: Iterable[TrafficRecord]) -> list[TrafficRecord]:
-    """One record per request (``request_key``): the latest one (by ts; on a tie the later in the input), sorted by ts."""
+    """One record per request (``request_key``), the latest (by ts; on a tie the later in the input); sorted by ts."""
     latest: dict[tuple, TrafficRecord] = {}
     for rec in records:
         k = request_key(rec)
