@@ -311,6 +311,40 @@ def test_torn_last_line_is_skipped_then_repaired(tmp_path):
     assert [r.id for r in scan.records] == ["r0", "r1", "r2", "r4"] and scan.skipped == 0
 
 
+def test_a_killed_writer_loses_at_most_the_line_it_was_writing(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    child = (
+        "import sys, time\n"
+        "from cartspec.task.traffic import TrafficConfig, TrafficRecord, TrafficWriter\n"
+        "w = TrafficWriter(TrafficConfig(dir=sys.argv[1]))\n"
+        "i = 0\n"
+        "while True:\n"
+        "    w.write(TrafficRecord(id=f'r{i}', ts=time.time(), task='search', query='boots', messages=[],\n"
+        "                          reply='x' * 50_000, temperature=0.0, structured=True))\n"
+        "    i += 1\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child, str(tmp_path)])
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and sum(f.stat().st_size for f in traffic_files(tmp_path)) < 2_000_000:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    (f,) = traffic_files(tmp_path)
+    before = scan_traffic(tmp_path)
+    assert before.skipped <= 1 and len(before.records) >= 30
+    with TrafficWriter(TrafficConfig(dir=tmp_path)) as w:
+        assert sum(w.repaired.values()) <= 50_500  # at most the one torn line
+    after = scan_traffic(tmp_path)
+    assert after.skipped == 0 and f.read_bytes().endswith(b"\n")
+    assert [r.id for r in after.records] == [f"r{i}" for i in range(len(before.records))]
+
+
 def test_repair_torn_tail_edges(tmp_path):
     f = tmp_path / "x.jsonl"
     f.write_bytes(b"")
