@@ -114,6 +114,7 @@ class Answer:
     spec: SpecTrace | None = None
     stats: AcceptanceStats | None = None
     output_tokens: int = 0
+    canary_decision: Decision | None = None    # a canary decision this request made
 
 
 def make_fallback(config: AgentConfig, upstreams: Upstreams) -> AcceptanceFallback | None:
@@ -298,16 +299,17 @@ class Agent:
             return None
         return "candidate" if target == "candidate" else "current"
 
-    def canary_observe(self, arm: Arm, ans: Answer | None, rec: TraceRecord, error: bool = False) -> None:
-        """One request of an arm, answered (``ans``) or failed; a decision it causes is acted on here."""
+    def canary_observe(self, arm: Arm, ans: Answer, rec: TraceRecord, error: bool = False) -> None:
+        """One request of an arm, answered or failed (``error``); a decision it causes is acted on here and
+        stays on the request's trace line and header, whoever answers it in the end."""
         canary = self.canary
-        stats = ans.stats if ans is not None and not error else None
-        model_ms = ans.model_ms if ans is not None and not error else None
         was_trial = canary.state == "trial"
-        decision = canary.observe(arm, stats, model_ms, error)
+        decision = canary.observe(arm, None if error else ans.stats, None if error else ans.model_ms, error)
         if error and was_trial:
             self.metrics.canary_errors.labels(arm).inc()
-        rec.canary = CanaryTrace(**asdict(canary.view(arm, decision)))
+        if decision is not None:
+            ans.canary_decision = decision
+        rec.canary = CanaryTrace(**asdict(canary.view(arm, ans.canary_decision)))
         if decision is not None:
             self.canary_decided(decision)
 
@@ -348,7 +350,7 @@ class Agent:
             rec.fallback = FallbackTrace(**asdict(decision.fallback))
         arm = self._arm(decision.target)
         if arm is not None:
-            rec.canary = CanaryTrace(**asdict(self.canary.view(arm)))
+            rec.canary = CanaryTrace(**asdict(self.canary.view(arm, ans.canary_decision)))
         ans.decision, ans.deployment, ans.upstream = decision, up.label, up
 
     async def answer(self, endpoint: str, task: str, req: TaskRequest, rec: TraceRecord) -> Answer:
@@ -378,7 +380,7 @@ class Agent:
             await self._ask(endpoint, task, req, rec, ans, target, up)
         except (UpstreamUnavailable, UpstreamError, InvalidModelOutput) as exc:
             if arm is not None and _counts_against(exc):
-                self.canary_observe(arm, None, rec, error=True)
+                self.canary_observe(arm, ans, rec, error=True)
             raise
         if arm is not None:
             self.canary_observe(arm, ans, rec)

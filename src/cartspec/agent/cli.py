@@ -209,7 +209,7 @@ def serve(
                       + f"; router {'on (' + cfg.router.policy + ')' if cfg.router.enabled else 'off'}"
                       + f"; acceptance fallback {'on' if agent.fallback else 'off'}"
                       + f"; admission {f'on (max wait {cfg.admission.max_wait_s:g}s)' if agent.admission else 'off'}"
-                      + (f"; canary on (every {cn.every}th speculative request to {cn.candidate or 'the candidate'}"
+                      + (f"; canary on (1 in {cn.every} speculative requests to {cn.candidate or 'the candidate'}"
                          f", against {cn.current or 'the current head'})" if cn else "")
                       + (f"; recording traffic to {cfg.traffic.dir}" if agent.traffic else ""))
         console.print(f"[green]agent on http://{cfg.host}:{cfg.port}[/]  try:\n"
