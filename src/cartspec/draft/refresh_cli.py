@@ -94,5 +94,6 @@ def register(app: typer.Typer) -> None:
         console.print(f"[green]candidate[/] {res.ref} -> {res.path} (parent {res.parent}, {res.steps} steps, "
                       f"{res.training_seconds / 60:.1f} min training; acc/step {res.acc_per_step_last20}; "
                       f"+{v.get('added', 0)} draft tokens)")
-        console.print(f"next: gate it on the held-out traffic (`cartspec draft gate`), then "
-                      f"`cartspec heads promote {res.ref}`")
+        name, _, version = res.ref.partition("@")
+        console.print(f"next: `cartspec draft gate --head {name} --candidate {version} --traffic {traffic}` on the "
+                      f"held-out traffic, then `cartspec heads promote {res.ref}`")
