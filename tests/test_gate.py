@@ -360,3 +360,24 @@ def test_gate_command_refuses_a_missing_registry_or_version(registry, tmp_path):
     res = CliRunner().invoke(app, ["draft", "gate", "--head", "shop", "--candidate", "v0001", "--traffic",
                                    str(traffic)])
     assert res.exit_code == 2 and "is the current version" in res.output
+    res = _gate(["--traffic", str(traffic), "--held-out", "1.5"])
+    assert res.exit_code == 2 and "--held-out is a share" in res.output
+    res = _gate(["--traffic", str(tmp_path / "none")])
+    assert res.exit_code == 2 and "no traffic at" in res.output
+
+
+def test_gate_reports_classifies_each_side_on_its_own_tokens():
+    seen = []
+
+    def cls(rs, outs):
+        seen.append(len(outs))
+        return [["value_copied" if t >= 100 else "free_text" for t in o] for o in outs]
+
+    cand = report([(f"r{i}", [3, 3]) for i in range(30)])
+    cur = report([(f"r{i}", [3, 3]) for i in range(30)])
+    for x in cur.replies[:5]:  # these replies drafted over other tokens: value_copied, not free_text
+        x.token_ids = [100 + t for t in x.token_ids]
+    d = gate_reports(cand, cur, reqs(30), classify=cls, min_class_requests=1)
+    assert d.replies_differ == 5 and seen == [30, 5]  # only the differing replies are classified again
+    vc = next(c for c in d.classes if c.token_class == "value_copied")
+    assert (vc.reached_candidate, vc.reached_current) == (0, 5 * 6)

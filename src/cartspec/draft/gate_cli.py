@@ -190,6 +190,12 @@ def gate(
         _fail("--held-out is a share of the traffic, above 0 and below 1 (e.g. 0.2)")
     if limit is not None and limit < 1:
         _fail("--limit must be at least 1")
+    if gamma < 1:
+        _fail("--gamma must be at least 1")
+    if min_requests < 2:
+        _fail("--min-requests must be at least 2: an interval needs two pairs")
+    if n_boot < 100:
+        _fail("--n-boot must be at least 100 (2000 gives a stable 95% interval)")
     try:
         reg = HeadRegistry(head)
     except HeadRegistryError as exc:
