@@ -385,8 +385,10 @@ def test_a_failing_traffic_write_never_fails_the_request(tmp_path, caplog):
         fake.stop()
 
 
-def test_traffic_is_off_by_default():
+def test_traffic_is_off_by_default_and_info_never_shows_its_key():
     assert AgentConfig().traffic.dir is None
+    public = AgentConfig.model_validate({"traffic": {"dir": "t", "redact_key": "secret"}}).public()
+    assert "secret" not in json.dumps(public) and public["traffic"]["redact_key_set"] is True
 
 
 # --- wiring -----------------------------------------------------------------------------------

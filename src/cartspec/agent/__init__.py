@@ -4,20 +4,21 @@
 brings up a deployment (or two: ``--plain``) and the app together. Modules,
 in request order: config (typed settings), cache (hot replies), router (which
 deployment), fallback (away from a draft that stopped paying, and back),
+canary (a candidate head on a share of the traffic, promoted or rolled back),
 admission (refuse what would wait too long), upstream (deployments, their
 health and throughput), acceptance (one definition of it), metrics
-(Prometheus), trace (JSONL per request), app (validation, retries, error
-mapping). Around it: defaults (what ``cartspec serve`` deploys), wiring (what goes
+(Prometheus), trace (JSONL per request; the traffic log is ``task.traffic``),
+app (validation, retries, error mapping). Around it: defaults (what ``cartspec serve`` deploys), wiring (what goes
 behind the agent), supervisor (restarts a deployment that died), process (the
 agent as a process its caller owns: the drills and tests) and cli
 (``cartspec serve``, a shell over these).
 """
 
-from .config import AdmissionConfig, AgentConfig, CacheConfig, FallbackConfig, RouterConfig
+from .config import AdmissionConfig, AgentConfig, CacheConfig, CanaryConfig, FallbackConfig, RouterConfig
 from .upstream import Upstream, Upstreams
 
-__all__ = ["AdmissionConfig", "AgentConfig", "CacheConfig", "FallbackConfig", "RouterConfig", "Upstream",
-           "Upstreams", "create_app"]
+__all__ = ["AdmissionConfig", "AgentConfig", "CacheConfig", "CanaryConfig", "FallbackConfig", "RouterConfig",
+           "Upstream", "Upstreams", "create_app"]
 
 
 def create_app(config: AgentConfig | None = None, upstream=None):  # noqa: D401 - lazy import keeps CLI help fast

@@ -11,7 +11,10 @@ control on, 503 ``overloaded`` (and ``Retry-After``) for a request that would
 wait past the bound. Each request writes one trace line and updates the
 metrics, whatever its outcome. Headers: ``X-Cartspec-Route`` (target; reason,
 e.g. ``plain; reason=acceptance-fallback; acceptance=0.012``),
-``X-Cartspec-Deployment``, ``X-Cartspec-Cache``, ``Server-Timing``.
+``X-Cartspec-Deployment``, ``X-Cartspec-Cache``, ``Server-Timing``, and with a canary
+``X-Cartspec-Canary`` (e.g. ``candidate; state=trial; n=37``). With a traffic
+directory, each request the model answered is also appended to the traffic log
+(``task.traffic``), after its response is sent.
 """
 
 from __future__ import annotations

@@ -196,5 +196,7 @@ class AgentConfig(FileModel):
         return self
 
     def public(self) -> dict:
-        """The settings as /v1/info shows them: never the key."""
-        return self.model_dump(mode="json", exclude={"api_key"}) | {"api_key_set": self.api_key is not None}
+        """The settings as /v1/info shows them: never a key (the API key, the traffic pseudonyms' key)."""
+        out = self.model_dump(mode="json", exclude={"api_key": True, "traffic": {"redact_key"}})
+        out["traffic"]["redact_key_set"] = self.traffic.redact_key is not None
+        return out | {"api_key_set": self.api_key is not None}
