@@ -302,7 +302,51 @@ def test_study_points_record_the_head_version(home, tmp_path):
     plain = p1.model_copy(update={"head": "domain", "head_version": None})
     old = json.loads(plain.model_dump_json())
     assert "head_version" not in old  # written as before the field existed
-    assert PointConfig.model_validate(old).key == plain.key
-    assert PointConfig.model_validate(json.loads(p2.model_dump_json())) == p2  # files written before the field load, same key
+    assert PointConfig.model_validate(old).key == plain.key  # files written before the field load, same key
+    assert PointConfig.model_validate(json.loads(p2.model_dump_json())) == p2
     info = DeploymentInfo.model_validate({"label": "x", "method": "eagle3", "model": "m"})
     assert info.head_version is None
+
+
+def test_a_study_records_the_version_it_served(home, tmp_path):
+    """results.jsonl: the point's config and its deployment name the registry version the server loaded."""
+    import contextlib
+
+    from cartspec.bench.plan import SweepPlan, parse_deployment
+    from cartspec.bench.sweep import run_sweep
+    from cartspec.results import DeploymentInfo, load_results
+    from cartspec.testing.trivial_server import FakeConfig, TrivialServer
+
+    reg = HeadRegistry("shop")
+    reg.add(fake_head(tmp_path / "h1"))
+    reg.add(fake_head(tmp_path / "h2"), status="current")
+
+    class Served:
+        def __init__(self, srv, spec):
+            self.srv, self.spec = srv, spec
+
+        url = property(lambda self: self.srv.url)
+
+        def alive(self) -> bool:
+            return True
+
+        def describe(self) -> DeploymentInfo:
+            sp = self.spec.speculative
+            return DeploymentInfo(label=self.spec.label, method=sp.method, gamma=sp.num_speculative_tokens,
+                                  head=str(resolve_head(sp.model)), model="fake", url=self.url)
+
+        def died_reason(self) -> str:
+            return "?"
+
+    @contextlib.contextmanager
+    def launch(spec, log_dir):
+        with TrivialServer(FakeConfig(tokens=4)) as srv:
+            yield Served(srv, spec)
+
+    plan = SweepPlan(deployments=[parse_deployment("eagle3:shop:3", "commerce")], concurrencies=[1],
+                     temperatures=[0.0], n_requests=2, warmup=0, max_tokens=8)
+    run_sweep(plan, tmp_path / "run", launcher=launch)
+    (r,) = load_results(tmp_path / "run")
+    assert r.status == "ok", r.reason
+    assert r.config.head == "shop" and r.config.head_version == "shop@v0002"
+    assert r.deployment.head_version == "shop@v0002"

@@ -167,8 +167,9 @@ class LiveDeployment:
             self.reporter.deployment(self.label, "failed")
             return False
         self.info = self.ep.describe()
-        if self.info.head and not self.info.head_version:
-            self.info.head_version = version_of(self.info.head)
+        if not self.info.head_version:  # the version the server loaded, else the one the points were planned with
+            self.info.head_version = (version_of(self.info.head) if self.info.head else None) \
+                or self.pending[0].head_version
         self.fresh = True
         self.reporter.deployment(self.label, "running")
         return True

@@ -114,7 +114,8 @@ def list_(name: Optional[str] = typer.Argument(None, help="one registry (default
         console.print(f"no head registries in {default_root()}: register one with `cartspec heads add NAME HEAD_DIR`")
         return
     t = Table(title="draft head versions", box=box.SIMPLE_HEAD)
-    for col in ("name", "version", "status", "created (UTC)", "parent", "target", "gate", "τ candidate vs current (gate)"):
+    for col in ("name", "version", "status", "created (UTC)", "parent", "target", "gate",
+                "τ candidate vs current (gate)"):
         t.add_column(col)
     styles = {"current": "bold green", "candidate": "yellow", "rejected": "red", "retired": "dim"}
     for n in names:
