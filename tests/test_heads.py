@@ -279,6 +279,9 @@ def test_cli(home, tmp_path):
         res, out = _run(*args)
         assert res.exit_code == 2, (args, out)
         assert msg in out, (args, out)
+    res, out = _run("heads", "add", "copy", "shop@v2")
+    assert res.exit_code == 0, out
+    assert HeadRegistry("copy").current().target_digest == "bbbb"
     res, out = _run("heads", "reject", "shop@v2", "--reason", "worse")
     assert res.exit_code == 0 and HeadRegistry("shop").get("v2").status == "rejected"
 

@@ -71,7 +71,8 @@ def gate_summary(gate: dict[str, Any] | None) -> tuple[str, str]:
 @heads_app.command("add")
 def add(
     name: str = typer.Argument(..., help="registry name (created when new)"),
-    head_dir: str = typer.Argument(..., help="a head directory, or a bundled head: domain, generic"),
+    head_dir: str = typer.Argument(..., help="a head directory, a bundled head (domain, generic) or a "
+                                                          "version of a registry (OTHER@vN)"),
     current: bool = typer.Option(False, "--current", help="make this version current at once (the first version "
                                                           "of a registry always is)"),
     force: bool = typer.Option(False, "--force", help="register a head pinned to another target than current's"),
@@ -80,12 +81,12 @@ def add(
     """Register an existing head directory as a new version of NAME (copied into the registry)."""
     from .convert import ModelNotFound
     from .heads import HeadRegistryError
-    from .registry import resolve_plain_head
+    from .registry import resolve_head, resolve_plain_head
 
     reg = _registry(name, must_exist=False)
-    try:
-        src = resolve_plain_head(head_dir)
-    except ModelNotFound as exc:
+    try:  # another registry's version (OTHER@vN), else a bundled head or a path; never NAME's own current
+        src = resolve_head(head_dir) if "@" in head_dir and "/" not in head_dir else resolve_plain_head(head_dir)
+    except (ModelNotFound, HeadRegistryError) as exc:
         _fail(str(exc))
     prov: dict[str, Any] = {"command": "cartspec heads add " + " ".join([name, head_dir] + ["--current"] * current
                                                                          + ["--force"] * force)}
