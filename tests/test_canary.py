@@ -472,3 +472,16 @@ def test_serve_with_a_canary_upstream_keys_and_traffic_recording(tmp_path, regis
     recs = read_traffic(tmp_path / "traffic")
     assert [r.route for r in recs] == ["speculative", "candidate"] * 2
     assert not any("SKU-" in r.query for r in recs)
+
+
+def test_serve_refuses_a_canary_it_cannot_run_before_starting_anything(tmp_path, registry):
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "cartspec.cli", "serve", "--port", "0", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    r = serve("--upstream", "http://127.0.0.1:9", "--canary-head", "nope@v2")
+    assert r.returncode == 2 and "there is no head registry 'nope'" in " ".join(r.stderr.split())
+    r = serve("--upstream", "http://127.0.0.1:9", "--label", "baseline", "--canary-upstream", "http://127.0.0.1:10")
+    assert r.returncode == 2 and "a canary needs a speculative main deployment" in " ".join(r.stderr.split())
+    r = serve("--upstream", "http://127.0.0.1:9", "--canary-head", "shop@v0001")
+    assert r.returncode == 2 and "already the current version" in " ".join(r.stderr.split())

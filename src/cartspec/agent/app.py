@@ -33,8 +33,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.background import BackgroundTask
 from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..serving.client import UpstreamError

@@ -161,6 +161,10 @@ def serve(
     try:
         try:
             spec = None
+            if canary_head:  # a candidate that does not resolve fails before anything starts
+                from .wiring import candidate_head
+
+                candidate_head(canary_head)
             if spec_file:
                 spec = DeploymentSpec.load(spec_file)
                 spec = spec.model_copy(update={"dtype": dtype}) if dtype != "auto" else spec
