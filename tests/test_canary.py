@@ -74,7 +74,7 @@ def test_a_better_candidate_is_promoted_after_min_requests_then_gets_all_traffic
     assert f["candidate"]["tau"] == pytest.approx(3.0, abs=0.05) and f["current"]["tau"] == pytest.approx(2.2, abs=0.05)
     assert f["tau_diff_ci"][0] > 0 and f["tau_diff"] == pytest.approx(0.8, abs=0.05)
     assert f["candidate"]["acceptance"] == pytest.approx(2 / 3, abs=0.02)
-    assert "canary: promote: candidate τ 2.987 vs current 2.188 (difference +0.800, 95% interval [+0.718," in d.describe()
+    assert "candidate τ 2.987 vs current 2.188 (difference +0.800, 95% interval [+0.718," in d.describe()
     assert all(c.route() for _ in range(10)) and c.share == 1.0
     assert c.observe("candidate", reply(0)) is None and c.state == "promoted"  # final: no more observations
 
@@ -347,7 +347,8 @@ def test_answered_requests_are_recorded_redacted_with_route_head_and_acceptance(
     try:
         with make_client(ups, tmp_path, canary=TRIAL, traffic=traffic) as c:
             for i in range(4):
-                assert post(c, "/v1/search", {"query": f"boots {i} for jo.doe@example.com, SKU-4411{i}"}).status_code == 200
+                r = post(c, "/v1/search", {"query": f"boots {i} for jo.doe@example.com, SKU-4411{i}"})
+                assert r.status_code == 200
             assert post(c, "/v1/search", {"query": "boots 0 for jo.doe@example.com, SKU-44110"}).headers[
                 "x-cartspec-cache"] == "hit"  # a cache hit is no model answer: not recorded
             assert post(c, "/v1/search", {"query": ""}).status_code == 422  # nor is an error
@@ -485,3 +486,25 @@ def test_serve_refuses_a_canary_it_cannot_run_before_starting_anything(tmp_path,
     assert r.returncode == 2 and "a canary needs a speculative main deployment" in " ".join(r.stderr.split())
     r = serve("--upstream", "http://127.0.0.1:9", "--canary-head", "shop@v0001")
     assert r.returncode == 2 and "already the current version" in " ".join(r.stderr.split())
+
+
+def test_a_registry_that_refuses_the_promotion_is_logged_and_the_decision_stands(tmp_path, registry, monkeypatch,
+                                                                                 caplog):
+    from cartspec.model.heads import HeadPinError, HeadRegistry
+
+    def refuse(self, version, **kw):
+        raise HeadPinError("pinned to another target")
+
+    monkeypatch.setattr(HeadRegistry, "promote", refuse)
+    cur, cand, ups = two_heads(lambda n: spec(11 + n % 3), lambda n: spec(19 + n % 3))
+    try:
+        with make_client(ups, tmp_path, canary=TRIAL) as c:
+            rs = [post(c, "/v1/search", {"query": f"boots {i}"}) for i in range(32)]
+            assert all(r.status_code == 200 for r in rs) and c.app.state.agent.canary.state == "promoted"
+        assert registry.current().version == "v0001"
+        failed = [r.getMessage() for r in caplog.records if "not written to the head registry" in r.getMessage()]
+        assert failed == ["canary promote of shop@v0002 not written to the head registry: run "
+                          "`cartspec heads promote shop@v0002` by hand"]
+    finally:
+        cur.stop()
+        cand.stop()
