@@ -452,8 +452,8 @@ def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _
                              acc_per_step_last20=list(s.get("acc_per_step_last20", [])), provenance=done.provenance,
                              reused=True)
     rank_log(f"features: {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens ({len(train_replies)} reply tokens) "
-             f"in {fdir}; training {tcfg.epochs:g} epochs at lr {tcfg.lr:g}"
-             + (f" ({tcfg.steps} steps)" if tcfg.steps else ""))
+             f"in {fdir}; training " + (f"{tcfg.steps} steps" if tcfg.steps is not None else f"{tcfg.epochs:g} epochs")
+             + f" at lr {tcfg.lr:g}")
     t0 = time.perf_counter()
     with progress() if rank == 0 else Quiet() as pg:
         task = pg.add_task("train", total=1, info="")
@@ -493,6 +493,7 @@ def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _
                     "redacted_records": sum(1 for r in split.train if getattr(r, "redactions", 0))},
         "vocab": vocab,
         "training": {"steps": summary["steps"], "total_steps": summary["total_steps"], "epochs": tcfg.epochs,
+                     "fixed_steps": tcfg.steps,
                      "lr": tcfg.lr, "ttt_steps": tcfg.ttt_steps, "batch_tokens": tcfg.batch_tokens,
                      "seconds": summary["seconds"], "stopped_early": summary["stopped_early"],
                      "final_loss": summary["final_loss"], "acc_per_step_last20": summary["acc_per_step_last20"],
@@ -530,6 +531,13 @@ def write_refresh_provenance(out: Path, prov: dict[str, Any], *, name: str, size
     r, w, h, v, t = prov["records"], prov["data_window"], prov["held_out"], prov["vocab"], prov["training"]
     rep, s = prov["replies"], prov["seconds"]
     pct = lambda a, b: f"{100 * a / b:.1f}%" if b else "—"  # noqa: E731
+    held_before = pct(v['held_out_outside_parent'], v['held_out_reply_tokens'])
+    held_after = pct(v['held_out_outside_new'], v['held_out_reply_tokens'])
+    train_before = pct(v['train_outside_parent'], v['train_reply_tokens'])
+    train_after = pct(v['train_outside_new'], v['train_reply_tokens'])
+    early = " — stopped early by --max-minutes" if t["stopped_early"] else ""
+    budget = f" ({t['epochs']:g} epochs)" if t.get("fixed_steps") is None else " (--steps)"
+    procs = f" with {t['world_size']} processes" if t["world_size"] > 1 else ""
     path = Path(out) / "PROVENANCE.md"
     path.write_text(f"""# EAGLE-3 head `{ref or name}`, refreshed from traffic
 
@@ -544,23 +552,23 @@ Built with
 - parent: {prov['parent_ref']}; init: {prov['init']} ({'its weights, vocabulary widened' if prov['init'] == 'current'
                                                      else 'trained from scratch'})
 - traffic: `{prov['traffic']}`: {r['read']} records from {_when(r['first_ts'])} to {_when(r['last_ts'])},
-  {r['after_dedupe']} distinct requests (the latest record of each prompt)
+  {r['after_dedupe']} distinct requests (the latest record of each request)
 - trained on {r['train']} requests, {_when(w['since'])} to {_when(w['until'])}: {rep['as_is']} replies at
   temperature 0 used as written, {rep['regenerated']} regenerated greedily with vLLM (--regenerate {rep['regenerate']})
 - held out (never trained on): the most recent {h['share']:.0%}, {h['n']} requests, {_when(h['since'])} to
   {_when(h['until'])}
-- draft vocabulary: {v['parent_size']} tokens of the parent + {v['added']} from the traffic's replies = {v['size']};
-  training reply tokens outside it: {v['train_outside_parent']} of {v['train_reply_tokens']}
-  ({pct(v['train_outside_parent'], v['train_reply_tokens'])}) before, {v['train_outside_new']}
-  ({pct(v['train_outside_new'], v['train_reply_tokens'])}) after; held-out replies (temperature 0):
-  {v['held_out_outside_parent']} of {v['held_out_reply_tokens']} ({pct(v['held_out_outside_parent'], v['held_out_reply_tokens'])})
-  before, {v['held_out_outside_new']} ({pct(v['held_out_outside_new'], v['held_out_reply_tokens'])}) after
+- draft vocabulary: {v['parent_size']} tokens of the parent + {v['added']} from the traffic's replies = {v['size']}
+- reply tokens outside the draft vocabulary, before and after widening:
+  - training replies: {v['train_outside_parent']} of {v['train_reply_tokens']} ({train_before}) before,
+    {v['train_outside_new']} ({train_after}) after
+  - held-out replies at temperature 0: {v['held_out_outside_parent']} of {v['held_out_reply_tokens']} ({held_before})
+    before, {v['held_out_outside_new']} ({held_after}) after
 - training-time test: k={t['ttt_steps']}, lr {t['lr']} (cosine), {t['batch_tokens']} tokens/batch,
-  {t['steps']} of {t['total_steps']} optimiser steps ({t['epochs']:g} epochs){' — stopped early by --max-minutes' if t['stopped_early'] else ''};
-  per-step accuracy (mean of the last 20 batches): {t['acc_per_step_last20']}
-- on {t['device']}{f" with {t['world_size']} processes" if t['world_size'] > 1 else ""}, {t['threads']} threads: read
-  {s.get('read', 0):.0f} s, features {s.get('features', 0):.0f} s (incl. regeneration, cached on reruns), training
-  {s.get('train', 0):.0f} s, total {s.get('total', 0):.0f} s; `model.safetensors` {size_bytes / 1e6:.1f} MB
+  {t['steps']} of {t['total_steps']} optimiser steps{budget}{early}; per-step accuracy (mean of the last 20
+  batches): {t['acc_per_step_last20']}
+- on {t['device']}{procs}, {t['threads']} threads: read {s.get('read', 0):.0f} s, features {s.get('features', 0):.0f} s
+  (incl. regeneration, cached on reruns), training {s.get('train', 0):.0f} s, total {s.get('total', 0):.0f} s;
+  `model.safetensors` {size_bytes / 1e6:.1f} MB
 - training log (loss and accuracy per step): `training_log.json`
 """)
     return path

@@ -216,7 +216,8 @@ def warm_head(head_dir: Path, draft_ids: torch.Tensor, target: dict[str, torch.T
     state = {k: v for k, v in parent.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
     missing, unexpected = head.load_state_dict(state, strict=False)
     if unexpected or set(missing) != {"lm_head.weight", "d2t", "t2d"}:
-        raise ValueError(f"the head {head_dir} does not load: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        raise ValueError(f"the head {head_dir} does not load: missing {sorted(missing)}, "
+                         f"unexpected {sorted(unexpected)}")
     with torch.no_grad():
         rows = target["lm_head"][new].float()
         rows[pos] = parent.lm_head.weight.detach().float()
