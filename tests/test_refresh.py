@@ -143,6 +143,19 @@ def test_a_head_or_traffic_pinned_to_another_target_is_refused(tmp_path, home, t
     traffic2 = write_traffic(tmp_path / "t2", recs)
     with pytest.raises(RefreshError, match="served@v0002 pinned to another target"):
         refresh_head(RefreshConfig(traffic=traffic2, head="served", device="cpu", steps=1))
+    # a fine-tune of the registry's target (a merged model): its base's head drafts for it, but the registry
+    # keeps one target per name
+    import shutil
+
+    from cartspec.draft.refresh import adapter_digest_of
+
+    ft = tmp_path / "fine-tune"
+    shutil.copytree(tiny_llama_dir, ft)
+    (ft / "cartspec.json").write_text(json.dumps({"stage": "merge", "base": str(tiny_llama_dir),
+                                                  "adapter_digest": "abcdef123456"}))
+    assert adapter_digest_of(ft) == "abcdef123456" and adapter_digest_of(tiny_llama_dir) is None
+    with pytest.raises(RefreshError, match="pinned to another target than its registry"):
+        refresh_head(RefreshConfig(traffic=traffic, head="served", target=str(ft), device="cpu", steps=1))
     assert fake_vllm.calls == []  # refused before anything slow
 
 

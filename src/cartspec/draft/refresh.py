@@ -220,6 +220,13 @@ def check_pins(cfg: RefreshConfig, current: Any, model_dir: Path, digest: str, r
     except HeadMismatch as exc:
         raise RefreshError(f"{current.ref}: {exc}. Refresh with the target it was trained for (--target), or "
                            "start another registry (--head OTHER --from HEAD)") from exc
+    if current.target_digest and current.target_digest != digest and not cfg.force:
+        # a head made for the target's base drafts for it, but the registry keeps one target per name
+        raise RefreshError(f"the head registry {cfg.head!r} is pinned to target {current.target_digest} "
+                           f"({current.target_name or '?'}), --target {model_dir} has digest {digest}: the new "
+                           "version would be pinned to another target than its registry. Refresh for "
+                           f"{current.target_name or 'that target'} (--target), start another registry "
+                           "(--head OTHER --from HEAD), or pass --force")
     reg = HeadRegistry(cfg.head)
     other: dict[str, str] = {}
     for version in sorted({r.head_version for r in records if r.head == cfg.head and r.head_version}):
