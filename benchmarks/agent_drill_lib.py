@@ -22,7 +22,7 @@ import httpx
 from cartspec.bench.loadgen import closed_loop
 from cartspec.task.data import MAX_QUERY_CHARS
 
-__all__ = ["AgentLoad", "AgentReply", "Mix", "log", "write_jsonl"]
+__all__ = ["AgentLoad", "AgentReply", "Fixed", "Mix", "log", "write_jsonl"]
 
 HOT = ["red running shoes", "where is my order?", "wireless headphones under $100", "how do I return an item?",
        "black hoodie size m", "what payment methods do you take?"]
@@ -115,6 +115,7 @@ class AgentReply:
     retry_after: str | None = None
     error: str | None = None
     error_reason: str | None = None
+    canary: str | None = None  # x-cartspec-canary: the canary's state when a canary runs
 
     @property
     def end(self) -> float:
@@ -122,6 +123,18 @@ class AgentReply:
 
     def row(self) -> dict:
         return {**asdict(self), "start": round(self.start, 3), "end": round(self.end, 3)}
+
+
+class Fixed:
+    """A mix that is a fixed list of requests, each drawn once in order (``AgentLoad.run_each``)."""
+
+    def __init__(self, requests: list[Any]):
+        self.items = [Item(r.task, r.task, True, "json",
+                           {"query": r.query, **({"history": [t.model_dump() for t in r.history]} if r.history
+                                                 else {})}) for r in requests]
+
+    def draw(self, n: int) -> list[Item]:
+        return self.items[:n]
 
 
 class AgentLoad:
@@ -158,6 +171,7 @@ class AgentLoad:
             h = r.headers
             rec.cache, rec.route_header = h.get("x-cartspec-cache"), h.get("x-cartspec-route")
             rec.deployment, rec.retry_after = h.get("x-cartspec-deployment"), h.get("retry-after")
+            rec.canary = h.get("x-cartspec-canary")
             if rec.route_header:
                 target, _, rest = rec.route_header.partition(";")
                 rec.target = target.strip()
@@ -172,6 +186,14 @@ class AgentLoad:
             wait = min(float(rec.retry_after or 1), self.retry_cap_s)
             await asyncio.sleep(wait * (1 + 0.2 * self.rng.random()))
         return rec
+
+    async def run_each(self, timeout_s: float = 300.0) -> None:
+        """Send every item once (``clients`` at a time), then return: traffic that never repeats a request."""
+        limits = httpx.Limits(max_connections=self.clients + 8, max_keepalive_connections=self.clients + 8)
+        async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
+            self.t0 = time.monotonic()
+            await closed_loop(lambda i, item: self._send(http, i, item), self.items, self.clients,
+                              n_requests=len(self.items), on_done=self.records.append, clock=self.now)
 
     async def run(self, stop: asyncio.Event, timeout_s: float = 300.0) -> None:
         """Send until ``stop`` is set (a drill's phases decide when); requests in flight then finish."""

@@ -304,6 +304,7 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
                       max_tokens: int = 192, log: Callable[[str], None] = print,
                       progress: Callable[[int, int], None] | None = None, enforce_eager: bool = False,
                       hybrid: Any = None) -> dict[str, Any]:
+    from ..model.heads import version_of
     from ..model.registry import resolve_head
     from ..serving.engine import engine_versions
     from .export import load_head
