@@ -132,15 +132,19 @@ def timeline(rows: list[dict], bucket: int) -> dict:
                         "head_versions": sorted({r["head_version"] or "-" for r in rs}),
                         "states": sorted({(r["canary"] or "").split(";")[1].strip() if ";" in (r["canary"] or "")
                                           else (r["canary"] or "-") for r in rs})})
-    decided = next((i for i, r in enumerate(rows)
-                    if any(s in (r["canary"] or "") for s in ("promoted", "rolled_back"))), None)
-    before = rows[:decided] if decided is not None else rows
-    after = rows[decided:] if decided is not None else []
+    # the decision is made when the reply that completed the trial is answered (its header says decision=)
+    decided = next((i for i, r in enumerate(rows) if "decision=" in (r["canary"] or "")), None)
+    t_dec = rows[decided]["end"] if decided is not None else None
+    before = [r for r in rows if t_dec is None or r["start"] < t_dec]
+    after = [r for r in rows if t_dec is not None and r["start"] >= t_dec]
     return {
         "buckets": buckets,
-        "decided_at_request": decided,
-        "decided_at_s": round(rows[decided]["start"], 1) if decided is not None else None,
+        "decision_request": decided,  # index by start time of the reply that made the decision
+        "decided_at_s": round(t_dec, 1) if t_dec is not None else None,
         "decision_header": rows[decided]["canary"] if decided is not None else None,
+        "requests_before_decision": len(before),
+        "routes_after_decision": {k: sum((r["route"] or "?") == k for r in after)
+                                  for k in sorted({r["route"] or "?" for r in after})},
         "tau_by_route_before": {k: tau([r for r in before if r["route"] == k]) for k in ("speculative", "candidate")},
         "latency": {"before_decision": lat(before), "after_decision": lat(after),
                     "candidate_during_trial": lat([r for r in before if r["route"] == "candidate"]),
@@ -148,6 +152,15 @@ def timeline(rows: list[dict], bucket: int) -> dict:
         "statuses": {str(s): sum(r["status"] == s for r in rows) for s in sorted({r["status"] for r in rows})},
         "answered_all": all(r["status"] == 200 for r in rows),
     }
+
+
+def replies_identical(out: Path, ref_a: str, ref_b: str, gamma: int) -> str:
+    """Of the check set's replies drafted by two heads (``draft acceptance`` saves their token ids), how many are
+    the same tokens: the replies are the target's whoever drafts, so at T=0 all should be."""
+    a, b = (json.loads((out / f"novel-{ref.replace('@', '-')}-g{gamma}.json").read_text())["replies"]
+            for ref in (ref_a, ref_b))
+    ids_b = {r["id"]: r["token_ids"] for r in b}
+    return f"{sum(ids_b.get(r['id']) == r['token_ids'] for r in a)}/{len(a)}"
 
 
 def main() -> None:
@@ -163,6 +176,8 @@ def main() -> None:
     ap.add_argument("--min-requests", type=int, default=40, help="candidate replies before promotion")
     ap.add_argument("--refresh-args", default="", help="extra flags for the refresh, e.g. '--max-minutes 8'")
     ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument("--resummarize", action="store_true",
+                    help="recompute the canary and worse timelines from their requests-*.jsonl, run nothing")
     args = ap.parse_args()
     install_signal_handlers()
     out = args.out
@@ -184,6 +199,19 @@ def main() -> None:
     machine = {"cpu_flags": sorted(set(open("/proc/cpuinfo").read().split()) & {
         "avx512f", "avx512_bf16", "avx2", "amx_bf16"}), "cores": os.cpu_count()}
 
+    if args.resummarize:
+        for p in ("canary", "worse"):
+            if done(p):
+                rows = [json.loads(x) for x in (out / f"requests-{p}.jsonl").read_text().splitlines() if x.strip()]
+                old = json.loads((out / f"{p}.json").read_text())
+                for k in ("decided_at_request",):
+                    old.pop(k, None)
+                save(p, {**old, **timeline(sorted(rows, key=lambda r: r["start"]), 25)})
+        if done("tau"):
+            tau = json.loads((out / "tau.json").read_text())
+            first, cand = list(tau["figures"])[:2]
+            save("tau", {**tau, "replies_identical": replies_identical(out, first, cand, tau["gamma"])})
+        return
     if "record" in phases and not done("record"):
         before = reg.current()
         res = play(out, "record", rec_reqs, args.clients, serve_args(args.registry, args.gamma,
@@ -235,7 +263,8 @@ def main() -> None:
             figures[ref] = {"tau": rep.get("tau"), "acceptance_rate": rep.get("acceptance_rate"),
                             "by_class": {k: v.get("acceptance") for k, v in rep.get("by_class", {}).items()}}
         save("tau", {"data": "novel (seed 0, 100 requests; never in the traffic)", "gamma": args.gamma,
-                     "figures": figures, "machine": machine})
+                     "figures": figures, "replies_identical": replies_identical(out, first, cand_ref, args.gamma),
+                     "machine": machine})
     for p in PHASES:
         if done(p):
             print(f"--- {p}: {out / (p + '.json')}")

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,6 +16,7 @@ from cartspec.agent.defaults import default_spec
 from cartspec.agent.config import AgentConfig, RouterConfig
 from cartspec.model.convert import ModelNotFound
 from test_agent_app import FakeUpstream, _free_port
+from test_serving_cleanup import STANDIN
 
 
 def wait_ready(proc: subprocess.Popen, port: int) -> str:
@@ -153,3 +155,74 @@ def test_serve_adaptive_without_a_cached_schedule_calibrates_into_the_tuning_cac
     with pytest.raises(ValueError, match="--adaptive needs an EAGLE-3 head"):
         adaptive_request(DeploymentSpec(speculative=Speculative(method="hybrid", model="domain",
                                                                 num_speculative_tokens=3)))
+
+
+KEEPER_UNDER_SIGTERM = '''
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from test_serving_cleanup import StandIn
+from cartspec.agent.supervisor import Keeper
+from cartspec.serving.server import install_signal_handlers
+from cartspec.serving.spec import DeploymentSpec
+install_signal_handlers()
+server = StandIn(sys.argv[2], "ok", DeploymentSpec(start_timeout_s=30), log_dir=sys.argv[3]).start()
+keeper = Keeper(server, every_s=0.02, say=lambda m: print(m, flush=True))
+keeper.start()
+print("ready", server.log_path, flush=True)
+time.sleep(120)
+'''
+
+
+def test_a_program_stopped_by_sigterm_restarts_nothing_and_keeps_the_engine_log(tmp_path):
+    """SIGTERM stops the deployments the program owns; its keeper, which watches them die, must not restart
+    one (a restart truncated the engine's log to its command line and started an engine for nothing)."""
+    script = tmp_path / "standin.py"
+    script.write_text(STANDIN)
+    prog = tmp_path / "prog.py"
+    prog.write_text(KEEPER_UNDER_SIGTERM)
+    proc = subprocess.Popen([sys.executable, str(prog), str(Path(__file__).parent), str(script), str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("ready"), first + proc.stdout.read()
+        log_path = Path(first.split(None, 1)[1].strip())
+        assert "worker" in log_path.read_text()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGTERM, out
+    assert "restarting" not in out, out
+    assert "worker" in log_path.read_text(), "the engine's log was truncated by a restart"
+
+
+def test_nothing_starts_a_deployment_once_the_program_is_stopping(tmp_path, monkeypatch):
+    import threading
+
+    from cartspec.agent.supervisor import Keeper
+    from cartspec.serving import process
+    from cartspec.serving.server import DeploymentError, VllmServer
+    from cartspec.serving.spec import DeploymentSpec
+
+    stopping = threading.Event()
+    monkeypatch.setattr(process, "_SHUTDOWN", stopping)
+    calls = []
+
+    class Dead:
+        spec, url, log_path = DeploymentSpec(), "http://127.0.0.1:1", tmp_path / "x.log"
+
+        def alive(self):
+            return False
+
+        def restart(self):
+            calls.append(1)
+
+    stopping.set()
+    keeper = Keeper(Dead(), every_s=0.01)
+    keeper.start()
+    keeper.join(2)  # the keeper returns at once: the program is stopping
+    assert not keeper.is_alive() and calls == []
+    with pytest.raises(DeploymentError, match="stopping"):
+        VllmServer(DeploymentSpec(), log_dir=tmp_path).start()
+    assert not list(tmp_path.glob("vllm-*.log"))

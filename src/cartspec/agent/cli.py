@@ -29,7 +29,8 @@ def _warn(message: str) -> None:
 
 def serve(
     model: str = model_option("target"),
-    head: str = typer.Option("auto", help="EAGLE-3 head: auto (domain when present) | none | domain | generic | PATH"),
+    head: str = typer.Option("auto", help="EAGLE-3 head: auto (domain when present) | none | domain | generic | "
+                             "NAME[@vN] (a registered head, `cartspec heads`) | PATH"),
     gamma: int = typer.Option(3, min=1, max=16, help="γ, draft tokens per step"),
     draft: Optional[str] = typer.Option(None, help="how the head drafts: eagle3 | hybrid (EAGLE-3 + prompt lookup of "
                                         "the shopper's words); default: hybrid, the one measured best for the "

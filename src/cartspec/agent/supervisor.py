@@ -12,6 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from ..serving import process
 from ..serving.server import DeploymentError
 
 if TYPE_CHECKING:
@@ -44,8 +45,8 @@ class Keeper(threading.Thread):
     def run(self) -> None:
         while not self.stopping.wait(self.every_s):
             for server in self.servers:
-                if self.stopping.is_set():
-                    return
+                if self.stopping.is_set() or process.shutting_down():
+                    return  # a deployment that exits while the program stops was stopped: no restart
                 if server.alive():
                     self._backoff[id(server)] = 5.0
                 elif time.monotonic() >= self._retry_at[id(server)]:
@@ -58,7 +59,7 @@ class Keeper(threading.Thread):
             self.restarts += 1
             self.say(f"vLLM {server.spec.label} back at {server.url}")
         except DeploymentError as exc:
-            if self.stopping.is_set():
+            if self.stopping.is_set() or process.shutting_down():
                 return
             backoff = self._backoff[id(server)]
             self.say(f"restart of {server.spec.label} failed: {exc.reason}; next try in {backoff:.0f}s")

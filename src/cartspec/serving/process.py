@@ -9,7 +9,9 @@ kernel closes that end however the caller dies; the watchdog sees EOF and kills 
 ``PR_SET_PDEATHSIG`` would only reach the direct child, not the processes it spawns.
 
 Owners register while their child runs: ``stop_all`` (at interpreter exit, and from the signal
-handlers ``serving.server.install_signal_handlers`` installs) stops every one still registered.
+handlers ``serving.server.install_signal_handlers`` installs) stops every one still registered. Those two
+first call ``begin_shutdown``: from then on ``shutting_down()`` is true and nothing starts a child again (a
+supervisor that saw its vLLM die under the shutdown would otherwise restart it, truncating its log).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import Protocol
 
 WATCHDOG = r"""
@@ -68,10 +71,28 @@ def unregister(owner: Owner) -> None:
     _LIVE.discard(owner)
 
 
+_SHUTDOWN = threading.Event()
+
+
+def begin_shutdown() -> None:
+    """This program is stopping (a signal, interpreter exit): ``shutting_down()`` is true from now on."""
+    _SHUTDOWN.set()
+
+
+def shutting_down() -> bool:
+    """True once the program began to stop: a child that exits now was stopped, not crashed."""
+    return _SHUTDOWN.is_set()
+
+
 def stop_all(grace: float = 5.0) -> None:
     """Stop every registered owner's processes."""
     for owner in list(_LIVE):
         owner.stop(grace=grace)
+
+
+def _stop_all_at_exit() -> None:
+    begin_shutdown()
+    stop_all()
 
 
 def start_watchdog(pgid: int) -> tuple[subprocess.Popen, int]:
@@ -140,4 +161,4 @@ def group_pids(proc: subprocess.Popen | None) -> list[int]:
 
 
 # At import: an exit hook takes nothing from the host program (unlike signal handlers).
-atexit.register(stop_all)
+atexit.register(_stop_all_at_exit)

@@ -165,6 +165,8 @@ class VllmServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "VllmServer":
+        if process.shutting_down():
+            raise DeploymentError("not starting vLLM: this program is stopping")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
         env = self.environment()
@@ -256,6 +258,7 @@ def _stop_all(*_: Any) -> None:
 
 
 def _on_signal(signum, frame):  # noqa: ARG001
+    process.begin_shutdown()  # first: a supervisor must not restart what is stopped next
     _stop_all()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
