@@ -33,6 +33,7 @@ from typing import Any, Iterator, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..paths import home
+from ..task.data import read_jsonl
 from .convert import ModelNotFound
 from .registry import head_target
 
@@ -175,18 +176,7 @@ class HeadRegistry:
 
     def events(self) -> list[dict[str, Any]]:
         """Every event, oldest first (a torn last line, from a crash while writing it, is skipped)."""
-        if not self.events_path.exists():
-            return []
-        out = []
-        for line in self.events_path.read_text().splitlines():
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return out
+        return read_jsonl(self.events_path)
 
     def gate(self, version: str) -> dict[str, Any] | None:
         """The offline gate's decision written beside a version, if any."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -37,6 +36,19 @@ def _registry(name: str, must_exist: bool = True) -> Any:
         _fail(f"no head registry {name!r} in {reg.root}: register a head with `cartspec heads add {name} HEAD_DIR` "
               f"(registries: {', '.join(_registry_names()) or 'none'})")
     return reg
+
+
+def _versioned(ref: str, verb: str) -> tuple[str, str]:
+    """NAME@vN -> (NAME, vN); a ref without a version, or a malformed one, fails with what to type."""
+    from .heads import HeadRegistryError, parse_ref
+
+    try:
+        name, version = parse_ref(ref)
+    except HeadRegistryError as exc:
+        _fail(str(exc))
+    if version is None:
+        _fail(f"name the version to {verb}: `cartspec heads {verb} {name}@vN` (see `cartspec heads list {name}`)")
+    return name, version
 
 
 def _registry_names() -> list[str]:
@@ -179,14 +191,9 @@ def promote(
 ) -> None:
     """Make NAME@vN current: `--head NAME` (serve, study, draft acceptance) serves it from then on."""
     from .convert import ModelNotFound
-    from .heads import HeadRegistryError, parse_ref
+    from .heads import HeadRegistryError
 
-    try:
-        name, version = parse_ref(ref)
-    except HeadRegistryError as exc:
-        _fail(str(exc))
-    if version is None:
-        _fail(f"name the version to promote: `cartspec heads promote {name}@vN` (see `cartspec heads list {name}`)")
+    name, version = _versioned(ref, "promote")
     reg = _registry(name)
     before = reg.current()
     try:
@@ -227,14 +234,9 @@ def reject(
 ) -> None:
     """Mark a candidate rejected: promote refuses it from then on (unless --force)."""
     from .convert import ModelNotFound
-    from .heads import HeadRegistryError, parse_ref
+    from .heads import HeadRegistryError
 
-    try:
-        name, version = parse_ref(ref)
-    except HeadRegistryError as exc:
-        _fail(str(exc))
-    if version is None:
-        _fail(f"name the version to reject: `cartspec heads reject {name}@vN`")
+    name, version = _versioned(ref, "reject")
     reg = _registry(name)
     try:
         v = reg.reject(version, reason=reason)
