@@ -267,7 +267,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True, help="target model directory")
-    ap.add_argument("--head-a", type=Path, required=True, help="EAGLE-3 head the engine is built with (a directory or REGISTRY@vN)")
+    ap.add_argument("--head-a", type=Path, required=True,
+                    help="EAGLE-3 head the engine is built with (a directory or REGISTRY@vN)")
     ap.add_argument("--head-b", type=Path, required=True, help="EAGLE-3 head swapped in (a directory or REGISTRY@vN)")
     ap.add_argument("--n", type=int, default=20, help="novel requests (cartspec.task.novel, seed 0)")
     ap.add_argument("--max-tokens", type=int, default=64)

@@ -231,7 +231,8 @@ def main() -> None:
     cand_ref = json.loads((out / "refresh.json").read_text())["candidate"] if done("refresh") else None
     if "gate" in phases and not done("gate") and cand_ref:
         secs = run(CLI + ["draft", "gate", "--head", args.registry, "--candidate", cand_ref.split("@")[1],
-                          "--traffic", str(traffic), "--gamma", str(args.gamma), "--out", str(out / "gate-decision.json")],
+                          "--traffic", str(traffic), "--gamma", str(args.gamma),
+                          "--out", str(out / "gate-decision.json")],
                    out / "gate.log")
         save("gate", {"seconds": round(secs, 1), **json.loads((out / "gate-decision.json").read_text())})
     if "canary" in phases and not done("canary") and cand_ref:

@@ -125,7 +125,8 @@ def pointer(
 
 @app.command()
 def acceptance(
-    head: Optional[str] = typer.Option(None, help="generic | domain | NAME[@vN] (a registered head) | PATH (methods eagle3, hybrid)"),
+    head: Optional[str] = typer.Option(None, help="generic | domain | NAME[@vN] (a registered head) | PATH "
+                                       "(methods eagle3, hybrid)"),
     gamma: int = typer.Option(3, "--gamma", help="γ: draft tokens per verify step"),
     data: str = typer.Option("test", help="train | dev | test | novel (words in no generator pool) | FILE.jsonl"),
     out: Path = typer.Option(..., help="where the JSON goes"),
