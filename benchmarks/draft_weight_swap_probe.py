@@ -50,10 +50,7 @@ ARCH_KEYS = ("architectures", "hidden_size", "intermediate_size", "num_attention
              "hidden_act", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling",
              "max_position_embeddings", "tie_word_embeddings", "attention_bias", "mlp_bias",
              "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "logit_scale", "eagle_config")
-SPEC_COUNTERS = {"vllm:spec_decode_num_drafts": "num_drafts",
-                 "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens"}
-PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
 
 
 # --- compatibility (no vLLM) ------------------------------------------------------------
@@ -156,28 +153,16 @@ def swap_draft_weights(worker, head_dir: str) -> dict:
 
 # --- one engine (child process) ------------------------------------------------------
 
-def spec_counters(llm) -> dict:
-    out = {v: 0 for v in SPEC_COUNTERS.values()}
-    per_pos: list[int] = []
-    for m in llm.get_metrics():
-        if m.name in SPEC_COUNTERS:
-            out[SPEC_COUNTERS[m.name]] += int(m.value)
-        elif m.name == PER_POS:  # one Vector per engine: add them up, position by position
-            vals = list(m.values)
-            per_pos = [(per_pos[i] if i < len(per_pos) else 0) + (vals[i] if i < len(vals) else 0)
-                       for i in range(max(len(per_pos), len(vals)))]
-    out["per_pos"] = per_pos
-    return out
-
-
-def acceptance(before: dict, after: dict, outs) -> dict:
-    d = {k: after[k] - before[k] for k in SPEC_COUNTERS.values()}
-    pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0) for i, a in enumerate(after["per_pos"])]
-    drafts, toks, acc = d["num_drafts"], d["num_draft_tokens"], d["num_accepted_tokens"]
+def acceptance(before, after, outs) -> dict:
+    """Acceptance over one ``generate`` from the engine's counters before and after (``SpecCounters``), and
+    a digest of the target's outputs."""
+    st = (after - before).stats()
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    return {**d, "acceptance_rate": round(acc / toks, 4) if toks else None,
-            "mean_acceptance_length": round(1 + acc / drafts, 4) if drafts else None,
-            "per_position": [round(p / drafts, 4) if drafts else None for p in pos],
+    return {"num_drafts": st.steps if st else 0, "num_draft_tokens": st.drafted if st else 0,
+            "num_accepted_tokens": st.accepted if st else 0,
+            "acceptance_rate": round(st.rate, 4) if st and st.rate is not None else None,
+            "mean_acceptance_length": round(st.tau, 4) if st and st.tau is not None else None,
+            "per_position": [round(p, 4) for p in st.per_position_rate] if st else [],
             "output_tokens": sum(len(x) for x in ids),
             "outputs_sha": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]}
 
@@ -190,6 +175,7 @@ def run_child(mode: str, args) -> dict:
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
+    from cartspec.bench.metrics import SpecCounters
     from cartspec.serving.engine import resolve_dtype
     from cartspec.task.novel import novel_requests
     from cartspec.task.prompts import render
@@ -207,10 +193,11 @@ def run_child(mode: str, args) -> dict:
     res = {"vllm": vllm.__version__, "head": str(head), "build_s": round(time.perf_counter() - t0, 1)}
 
     def measure(tag: str) -> None:
-        before = spec_counters(llm)
+        before = SpecCounters.from_vllm_metrics(llm.get_metrics())
         t = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
-        res[tag] = {**acceptance(before, spec_counters(llm), outs), "wall_s": round(time.perf_counter() - t, 1)}
+        after = SpecCounters.from_vllm_metrics(llm.get_metrics())
+        res[tag] = {**acceptance(before, after, outs), "wall_s": round(time.perf_counter() - t, 1)}
 
     measure("head_a" if mode == "swap" else "head_b_fresh")
     if mode == "swap":
@@ -317,7 +304,7 @@ def main() -> None:
         a, f = summary["after"], summary["fresh"]
         summary["swap_matches_fresh"] = {
             "acceptance_rate": a["acceptance_rate"] == f["acceptance_rate"],
-            "counters": all(a[k] == f[k] for k in SPEC_COUNTERS.values()),
+            "counters": all(a[k] == f[k] for k in COUNTS),
             "target_outputs": a["outputs_sha"] == f["outputs_sha"],
         }
     text = json.dumps(summary, indent=2)

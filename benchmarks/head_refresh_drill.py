@@ -36,13 +36,16 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 from agent_drill_lib import AgentLoad, Fixed, log, write_jsonl
 from cartspec.agent.config import AgentConfig
 from cartspec.agent.process import AgentProcess
+from cartspec.agent.trace import read_trace
+from cartspec.machine import cpu_features, hardware
 from cartspec.model.heads import HeadRegistry
 from cartspec.results import percentile
 from cartspec.serving.server import install_signal_handlers
-from cartspec.task.novel import novel_requests
+from cartspec.task.novel import novel_requests, novel_traffic
 
 PHASES = ("record", "refresh", "gate", "canary", "worse", "tau")
 CLI = [sys.executable, "-m", "cartspec.cli"]
@@ -50,16 +53,10 @@ CLI = [sys.executable, "-m", "cartspec.cli"]
 
 def traffic_requests(n_total: int, seed: int = 1) -> list:
     """Novel-kind requests, each query once, none whose query is in the check set (novel seed 0)."""
-    check = {(r.task, " ".join(r.query.lower().split())) for r in novel_requests(100, 0)}
-    seen, out = set(check), []
-    for r in novel_requests(max(3 * n_total, 3000), seed):
-        key = (r.task, " ".join(r.query.lower().split()))
-        if key not in seen:
-            seen.add(key)
-            out.append(r)
-    if len(out) < n_total:
-        raise SystemExit(f"only {len(out)} distinct novel-kind requests; ask for fewer")
-    return out[:n_total]
+    try:
+        return novel_traffic(n_total, seed, check=novel_requests(100, 0), pool=max(3 * n_total, 3000))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def run(cmd: list[str], log_path: Path) -> float:
@@ -91,17 +88,9 @@ def play(out: Path, name: str, reqs: list, clients: int, args_: list[str], cfg: 
         t0 = time.time()
         asyncio.run(load.run_each())
         log(f"{name}: {len(load.records)} answered in {time.time() - t0:.0f}s")
-        import httpx
-
         info = httpx.get(agent.url + "/v1/info", timeout=10).json()
         (out / f"metrics-{name}.txt").write_text(httpx.get(agent.url + "/metrics", timeout=10).text)
-    traced = {}
-    for line in trace.read_text().splitlines():
-        try:
-            t = json.loads(line)
-            traced[t["id"]] = t
-        except json.JSONDecodeError:
-            pass
+    traced = {t["id"]: t for t in read_trace(trace)}
     rows = []
     for r in sorted(load.rows(), key=lambda r: r["start"]):
         t = traced.get(r["id"], {})
@@ -196,16 +185,14 @@ def main() -> None:
     traffic = out / "traffic"
     done = lambda p: (out / f"{p}.json").exists()  # noqa: E731
     save = lambda p, d: (out / f"{p}.json").write_text(json.dumps(d, indent=2))  # noqa: E731
-    machine = {"cpu_flags": sorted(set(open("/proc/cpuinfo").read().split()) & {
-        "avx512f", "avx512_bf16", "avx2", "amx_bf16"}), "cores": os.cpu_count()}
+    machine = {"hardware": hardware(), "cpu_features": list(cpu_features()), "cores": os.cpu_count()}
 
     if args.resummarize:
         for p in ("canary", "worse"):
             if done(p):
                 rows = [json.loads(x) for x in (out / f"requests-{p}.jsonl").read_text().splitlines() if x.strip()]
                 old = json.loads((out / f"{p}.json").read_text())
-                for k in ("decided_at_request",):
-                    old.pop(k, None)
+                old.pop("decided_at_request", None)  # the timeline's field before it counted from the decision
                 save(p, {**old, **timeline(sorted(rows, key=lambda r: r["start"]), 25)})
         if done("tau"):
             tau = json.loads((out / "tau.json").read_text())

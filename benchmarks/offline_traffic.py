@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cartspec.draft.features import Sampling, vllm_generate
 from cartspec.model.registry import resolve_model
-from cartspec.task.novel import novel_requests
+from cartspec.task.novel import novel_requests, novel_traffic
 from cartspec.task.prompts import messages
 from cartspec.task.traffic import TrafficConfig, TrafficRecord, TrafficWriter
 
@@ -35,14 +35,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
-    check = {(r.task, " ".join(r.query.lower().split())) for r in novel_requests(100, 0)}
-    seen, reqs = set(check), []
-    for r in novel_requests(3 * args.n, args.seed):
-        key = (r.task, " ".join(r.query.lower().split()))
-        if key not in seen:
-            seen.add(key)
-            reqs.append(r)
-    reqs = reqs[:args.n]
+    reqs = novel_traffic(args.n, args.seed, check=novel_requests(100, 0))
     model_dir = resolve_model(args.target)
     tok = AutoTokenizer.from_pretrained(model_dir)
     msgs = [messages(r) for r in reqs]

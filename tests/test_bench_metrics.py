@@ -66,3 +66,24 @@ def test_per_request_metrics_fallback():
     assert stats.rate == pytest.approx(20 / 60) and stats.tau == pytest.approx(2.0)
     assert stats.source == "responses"
     assert stats_from_responses([]) is None
+
+
+def test_an_offline_engines_metrics_give_the_same_counters():
+    """``LLM.get_metrics()`` of an offline engine (vLLM's own metric types), two engines' series summed."""
+    pytest.importorskip("vllm")
+    from vllm.v1.metrics.reader import Counter, Gauge, Vector
+
+    def snapshot(drafts, tokens, accepted, per_pos):
+        return [Counter("vllm:spec_decode_num_drafts", {}, drafts),
+                Counter("vllm:spec_decode_num_draft_tokens", {}, tokens),
+                Counter("vllm:spec_decode_num_accepted_tokens", {}, accepted),
+                Vector("vllm:spec_decode_num_accepted_tokens_per_pos", {"engine": "0"}, per_pos[:2]),
+                Vector("vllm:spec_decode_num_accepted_tokens_per_pos", {"engine": "1"}, per_pos[2:]),
+                Gauge("vllm:num_requests_running", {}, 3)]
+
+    before = SpecCounters.from_vllm_metrics(snapshot(10, 30, 12, [6, 4, 1, 1]))
+    after = SpecCounters.from_vllm_metrics(snapshot(30, 90, 45, [20, 14, 6, 5]))
+    st = (after - before).stats()
+    assert (st.steps, st.drafted, st.accepted) == (20, 60, 33)
+    assert st.per_position == [19, 14] and st.tau == pytest.approx(1 + 33 / 20)
+    assert SpecCounters.from_vllm_metrics([Gauge("vllm:num_requests_running", {}, 1)]).stats() is None

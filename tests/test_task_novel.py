@@ -47,3 +47,16 @@ def test_novel_requests_are_deterministic_and_consistent():
 def test_novel_requests_rejects_a_bad_size():
     with pytest.raises(ValueError, match="n must be"):
         novel_requests(0)
+
+
+def test_novel_traffic_never_repeats_itself_or_the_check_set():
+    from cartspec.task.novel import novel_traffic
+
+    check = novel_requests(40, 0)
+    traffic = novel_traffic(60, 1, check=check)
+    key = lambda r: (r.task, " ".join(r.query.lower().split()))  # noqa: E731
+    assert len(traffic) == 60 and len({key(r) for r in traffic}) == 60
+    assert not {key(r) for r in traffic} & {key(r) for r in check}
+    assert [r.query for r in novel_traffic(60, 1, check=check)] == [r.query for r in traffic]
+    with pytest.raises(ValueError, match="distinct novel requests"):
+        novel_traffic(50, 1, check=check, pool=10)

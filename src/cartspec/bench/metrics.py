@@ -73,6 +73,27 @@ class SpecCounters:
             c.present = True
         return c
 
+    @classmethod
+    def from_vllm_metrics(cls, metrics) -> "SpecCounters":
+        """The same counters from an offline engine: ``vllm.LLM.get_metrics()`` (its ``Counter``s carry
+        ``.value``; the per-position series is one ``Vector`` per engine, with ``.values`` by position)."""
+        c = cls()
+        for m in metrics:
+            name = m.name[:-6] if m.name.endswith("_total") else m.name
+            if name == DRAFTS:
+                c.drafts += m.value
+            elif name == DRAFT_TOKENS:
+                c.draft_tokens += m.value
+            elif name == ACCEPTED:
+                c.accepted += m.value
+            elif name == ACCEPTED_PER_POS:
+                for pos, v in enumerate(m.values):
+                    c.per_pos[pos] = c.per_pos.get(pos, 0.0) + v
+            else:
+                continue
+            c.present = True
+        return c
+
     def __sub__(self, before: "SpecCounters") -> "SpecCounters":
         positions = sorted(set(self.per_pos) | set(before.per_pos))
         return SpecCounters(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,

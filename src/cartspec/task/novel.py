@@ -138,3 +138,20 @@ def novel_requests(n: int, seed: int = 0) -> list[Request]:
             if len(out) == n:
                 return out
     raise ValueError(f"only {len(out)} of {n} novel requests from {batch} generated ones")
+
+
+def novel_traffic(n: int, seed: int, check: list[Request], pool: int | None = None) -> list[Request]:
+    """``n`` novel requests drawn from ``novel_requests(pool, seed)`` (default pool ``3 * n``), each query once
+    and none whose query is in ``check`` (task and query compared with whitespace and case ignored): traffic of
+    the novel kind that never repeats itself or the set its acceptance is measured on."""
+    def key(r: Request) -> tuple[str, str]:
+        return r.task, " ".join(r.query.lower().split())
+
+    seen, out = {key(r) for r in check}, []
+    for r in novel_requests(pool or 3 * n, seed):
+        if key(r) not in seen:
+            seen.add(key(r))
+            out.append(r)
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} distinct novel requests outside the check set; ask for fewer")
+    return out[:n]
