@@ -124,8 +124,9 @@ def make_lora(base_dir: Path, out: Path, seed: int = 0):
     return model.eval()
 
 
-def make_random_head(target_dir: Path, out: Path) -> Path:
-    """A randomly initialised EAGLE-3 head for ``target_dir`` (256-token draft vocabulary), exported for vLLM."""
+def make_random_head(target_dir: Path, out: Path, seed: int = 0, target: dict | None = None) -> Path:
+    """A randomly initialised EAGLE-3 head for ``target_dir`` (256-token draft vocabulary), exported for vLLM;
+    ``target``: the record pinning it to its target (``{"digest": ..., "name": ...}``), as `draft train` writes."""
     import json
 
     import torch
@@ -134,10 +135,10 @@ def make_random_head(target_dir: Path, out: Path) -> Path:
     from cartspec.draft.head import Eagle3Head, HeadConfig
 
     cfg = HeadConfig.for_target(json.loads((Path(target_dir) / "config.json").read_text()), draft_vocab_size=256)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     head = Eagle3Head(cfg)
     head.set_vocab(torch.arange(256))
-    return export_head(head, out)
+    return export_head(head, out, target=target)
 
 
 # A random model's next-token distribution is near uniform (max probability ~6e-5 over 49k tokens), which

@@ -14,28 +14,11 @@ through the canary is measured by benchmarks/head_refresh_drill.py.)
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import httpx
 import pytest
+from conftest import make_random_head
 
 pytestmark = pytest.mark.vllm
-
-
-def random_head(target_dir: Path, out: Path, seed: int) -> Path:
-    """A random EAGLE-3 head for ``target_dir``, pinned to its digest (as `draft train` pins its heads)."""
-    import torch
-
-    from cartspec.draft.export import export_head
-    from cartspec.draft.head import Eagle3Head, HeadConfig
-    from cartspec.model.registry import target_digest
-
-    cfg = HeadConfig.for_target(json.loads((target_dir / "config.json").read_text()), draft_vocab_size=256)
-    torch.manual_seed(seed)
-    head = Eagle3Head(cfg)
-    head.set_vocab(torch.arange(256))
-    return export_head(head, out, target={"digest": target_digest(target_dir), "name": "tiny"})
 
 
 @pytest.mark.timeout(900)
@@ -46,11 +29,13 @@ def test_serve_canaries_a_registered_candidate_on_real_vllm_and_records_who_draf
     from cartspec.agent.process import AgentProcess
     from cartspec.agent.trace import read_trace
     from cartspec.model.heads import HeadRegistry
+    from cartspec.model.registry import target_digest
     from cartspec.task.traffic import read_traffic
 
     reg = HeadRegistry("tiny")
+    pin = {"digest": target_digest(tiny_llama_dir), "name": "tiny"}  # as `draft train` pins its heads
     for seed in (0, 1):
-        reg.add(random_head(tiny_llama_dir, tmp_path / f"head{seed}", seed))
+        reg.add(make_random_head(tiny_llama_dir, tmp_path / f"head{seed}", seed=seed, target=pin))
     assert [(v.version, v.status) for v in reg.versions()] == [("v0001", "current"), ("v0002", "candidate")]
 
     cfg = AgentConfig(trace_path=tmp_path / "trace.jsonl", max_tokens={"search": 48, "support": 48},
