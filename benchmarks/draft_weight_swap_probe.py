@@ -168,10 +168,7 @@ def acceptance(before, after, outs) -> dict:
 
 
 def run_child(mode: str, args) -> dict:
-    from cartspec.serving import vllm_fixes
-
-    vllm_fixes.install()
-    import vllm
+    import vllm  # cartspec's vLLM plugin loads through vLLM's entry point when the engine starts
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -215,13 +212,11 @@ def run_child(mode: str, args) -> dict:
 
 def child_env(args) -> dict[str, str]:
     from cartspec.serving.engine import engine_env, kv_cache_gib, resolve_dtype
-    from cartspec.serving.vllm_fixes import SITE_DIR
 
     env = {**os.environ, **engine_env()}
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # a fitted KV cache, as `cartspec serve` does
         env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib(args.target, resolve_dtype(args.dtype), args.max_num_seqs,
                                                          args.max_model_len, args.head_a))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
     if args.multiprocessing:
         # engine core (and, on CPU, the worker) in other processes: the function crosses msgpack, which
         # pickles callables only with this set (vllm/v1/serial_utils.py)

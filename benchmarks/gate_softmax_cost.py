@@ -3,7 +3,7 @@
 vLLM's drafter chooses each draft token by an argmax over the target's vocabulary (SmolLM2: 49,152
 tokens; an EAGLE-3 head's 8,192 draft logits spread over it, -inf elsewhere). This times that argmax
 against argmax + the probability of the argmax (``float()``, ``max - logsumexp``) on bf16 logits, per
-position, for 1, 16 and 32 requests, on 2 threads. Run it alone: it is why ``serving.hybrid`` keeps the
+position, for 1, 16 and 32 requests, on 2 threads. Run it alone: it is why ``vllm_plugin.hybrid`` keeps the
 drafter's hidden states and computes a probability only where the gate needs one (``head_probs``).
 
     .venv/bin/python benchmarks/gate_softmax_cost.py

@@ -1,5 +1,5 @@
 """Sampled speculation on CPU, side by side: plain decoding, a schedule at γ = 0 and EAGLE-3 at γ = 3,
-each with cartspec's recovered-token noise (``serving/recovered_noise.py``) and with vLLM's own.
+each with cartspec's recovered-token noise (``vllm_plugin/recovered_noise.py``) and with vLLM's own.
 
 Every run is in-process vLLM in a fresh interpreter (the commerce model, the domain head, float32 unless
 ``--dtype``), one after another: the same seeded T=0.5 requests, ``--batch`` at a time; output tok/s of
@@ -25,9 +25,7 @@ def one(mode: str, n: int, batch: int, temperature: float, dtype: str) -> dict:
     """Runs in the child: one deployment, timed."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-    from cartspec.serving import vllm_fixes
-
-    vllm_fixes.install()
+    # cartspec's vLLM plugin (its fixes, the recovered-noise switch) loads through vLLM's entry point
     from vllm import LLM, SamplingParams
 
     from cartspec.draft.acceptance import load_data

@@ -10,8 +10,7 @@ least 24 requests (six batches, or more for small batches). Run the two modes al
 import json, os, re, sys, time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-from cartspec.serving import vllm_fixes
-vllm_fixes.install()
+# cartspec's vLLM plugin loads through vLLM's entry point (vllm.general_plugins) when the engine starts
 from cartspec.model.registry import resolve_model, resolve_head
 from cartspec.draft.acceptance import load_data
 from cartspec.task.prompts import messages

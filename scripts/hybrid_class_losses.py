@@ -1,6 +1,6 @@
 """Where the hybrid loses a token class the head alone keeps (an experiment behind the head's gate).
 
-Replays the head alone and rule ``pointer`` (``serving.hybrid``, the simulator's teacher-forced chains,
+Replays the head alone and rule ``pointer`` (``drafting.rules``, the simulator's teacher-forced chains,
 ``draft.simulate``) on the target's greedy replies and places every output token of CLASS in one of
 three states per drafter: accepted (a draft of it was accepted), rejected (a draft of it was the step's
 rejected one) or bonus (never drafted: the target's token after all γ drafts were accepted). Prints the
@@ -16,11 +16,11 @@ import sys
 
 from cartspec.draft.acceptance import classes_for, greedy_features, load_data
 from cartspec.draft.export import load_head
-from cartspec.draft.pointer import Pointer
+from cartspec.drafting.pointer import Pointer
 from cartspec.draft.simulate import head_predictions
 from cartspec.draft.train import load_target_weights
 from cartspec.model.registry import resolve_head, resolve_pointer
-from cartspec.serving.hybrid import HybridConfig, TokenInfo, propose
+from cartspec.drafting import HybridConfig, TokenInfo, propose
 
 data = sys.argv[1] if len(sys.argv) > 1 else "test"
 limit = int(sys.argv[2]) if len(sys.argv) > 2 else 200

@@ -23,7 +23,7 @@ from cartspec.draft.acceptance import classes_for, greedy_features, load_data
 from cartspec.draft.export import load_head
 from cartspec.draft.train import load_target_weights
 from cartspec.model.registry import resolve_head
-from cartspec.serving.hybrid import TokenInfo, value_open
+from cartspec.drafting import TokenInfo, value_open
 
 K = 20
 data = sys.argv[1] if len(sys.argv) > 1 else "test"

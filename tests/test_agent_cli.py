@@ -46,12 +46,15 @@ def test_default_spec_uses_a_head_when_there_is_one(tmp_path):
     assert spec.speculative.method == "eagle3" and spec.speculative.hybrid_rule is None
 
 
-def test_default_spec_drafts_without_the_pointer_for_a_model_it_was_not_trained_for(tiny_llama_dir, tmp_path):
+def test_default_spec_serves_the_head_alone_for_a_model_no_pointer_was_trained_for(tiny_llama_dir, tmp_path):
     head = tmp_path / "head"
     head.mkdir()
     (head / "config.json").write_text("{}")
-    spec = default_spec(str(tiny_llama_dir), str(head), 3, enforce_eager=False)
-    assert spec.speculative.method == "hybrid" and spec.speculative.hybrid_rule is None
+    said = []
+    spec = default_spec(str(tiny_llama_dir), str(head), 3, enforce_eager=False, say=said.append)
+    # the hybrid's default rule there is the head alone: served as the head, and the user is told why
+    assert spec.speculative.method == "eagle3" and spec.speculative.hybrid_rule is None
+    assert any("no pointer was trained for this target" in m and "cartspec draft pointer" in m for m in said)
 
 
 def test_default_spec_without_head_serves_plain(monkeypatch, tmp_path):

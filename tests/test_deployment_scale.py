@@ -46,7 +46,7 @@ def test_server_command_carries_the_scale_flags(tiny_llama_dir):
 
 
 def test_the_hybrid_anchor_example_reaches_the_servers_environment():
-    from cartspec.serving.hybrid import ENV, HybridConfig
+    from cartspec.drafting import ENV, HybridConfig
 
     s = DeploymentSpec.load(EXAMPLES / "cpu-hybrid-anchor.yaml")
     env = s.speculative.server_env()
@@ -56,7 +56,7 @@ def test_the_hybrid_anchor_example_reaches_the_servers_environment():
 
 def test_the_hybrid_pointer_example_names_the_bundled_pointer_trained_for_its_model():
     from cartspec.model.registry import POINTERS_DIR, check_spec_head
-    from cartspec.serving.hybrid import ENV, HybridConfig
+    from cartspec.drafting import ENV, HybridConfig
 
     s = DeploymentSpec.load(EXAMPLES / "cpu-hybrid-pointer.yaml")
     cfg = HybridConfig.from_env(s.speculative.server_env()[ENV])

@@ -42,10 +42,14 @@ def test_build_pointer_refuses_the_bundled_pointers(tmp_path, monkeypatch):
         build_pointer(PointerTrainingConfig(out=registry.POINTERS_DIR / "commerce"))
 
 
-def test_hybrid_config_from_acceptance_settings():
-    from cartspec.serving.hybrid import DEFAULT
+def test_hybrid_config_from_acceptance_settings(tiny_llama_dir):
+    from cartspec.drafting import DEFAULT
 
-    assert hybrid_config() == DEFAULT
+    # the default rule, as serve deploys it: the pointer for the bundled target, the head alone for a target
+    # no pointer was trained for
+    assert DEFAULT.rule == "pointer"
+    assert hybrid_config(target="commerce").rule == "pointer" and hybrid_config(target="commerce").pointer
+    assert hybrid_config(target=str(tiny_llama_dir)).rule == "head"
     assert hybrid_config(lookup_max=DEFAULT.n_max + 1).n_max == DEFAULT.n_max + 1
     with pytest.raises(DraftPipelineError, match="--rule pointer"):
         hybrid_config(rule="lookup", pointer="commerce")

@@ -8,8 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from cartspec.serving.hybrid import (ENV, HybridConfig, TokenInfo, combine, context_for, hybrid_drafts, lookup,
-                                     patch_runner, propose, value_start)
+from dataclasses import dataclass
+
+from cartspec.drafting import ENV, HybridConfig, TokenInfo, lookup, propose, value_start
+from cartspec.drafting.rules import RULES, Step, draft
+from cartspec.vllm_plugin.hybrid import context_for, hybrid_drafts
 
 
 def test_lookup_match_overrides_the_heads_draft():
@@ -32,6 +35,20 @@ def test_no_match_keeps_the_heads_draft():
         assert propose(head, prompt + reply, len(prompt), HybridConfig(rule=rule)) == head
 
 
+@dataclass(frozen=True)
+class Scripted(Step):
+    """A step whose n-gram lookup proposes ``look``, whatever the context: the rules alone, on a given copy."""
+
+    look: tuple = ()
+
+    def ngram(self) -> list[int]:
+        return list(self.look)[:len(self.head)]
+
+
+def combine(head, look, rule="lookup"):
+    return draft(Scripted(list(head), [0], 1, HybridConfig(rule=rule), look=tuple(look)))
+
+
 def test_combine_rules_per_position():
     assert combine([1, 2, 3], [7]) == [7, 2, 3]           # lookup covers position 0, head fills 1..2
     assert combine([1, 2, 3], [7, 8, 9, 10]) == [7, 8, 9]  # never more than γ
@@ -39,8 +56,20 @@ def test_combine_rules_per_position():
     assert combine([1, 2, 3], [1, 8], "agree") == [1, 2, 3]  # agrees on the first token: the head's chain stays
     assert combine([1, 2, 3], [7, 8], "agree") == [7, 8, 3]
     assert combine([1, 2, 3], [7, 8], "head") == [1, 2, 3]
-    with pytest.raises(ValueError, match="unknown hybrid rule"):
-        combine([1], [2], "best")
+    with pytest.raises(ValueError, match="hybrid rule must be one of"):
+        HybridConfig(rule="best")
+
+
+def test_every_rule_is_one_object_behind_the_rule_interface():
+    assert set(RULES) == {"lookup", "agree", "head", "anchor", "text", "pointer"}
+    for name, rule in RULES.items():
+        assert rule.name == name and callable(rule.draft)
+    # what a rule needs is refused up front, with what is missing
+    with pytest.raises(ValueError, match="needs the tokens' text"):
+        draft(Scripted([1, 2], [0], 1, HybridConfig(rule="anchor")))
+    with pytest.raises(ValueError, match="needs the trained pointer"):
+        info = TokenInfo.from_texts(["a", "b", "c"], encode=lambda t: [0])
+        draft(Scripted([1, 2], [0], 1, HybridConfig(rule="pointer"), info=info))
 
 
 def test_prompt_scope_ignores_matches_in_the_reply():
@@ -119,23 +148,30 @@ def test_runner_drafts_use_this_steps_tokens_in_padded_mode():
     assert out.dtype == torch.int32
 
 
-def test_patch_runner_only_with_the_environment_variable(monkeypatch):
+def test_the_hybrid_patch_applies_only_with_the_environment_variable(monkeypatch, capsys):
     import types
 
-    calls = []
+    from cartspec.vllm_plugin import hybrid as hybrid_patch
+    from cartspec.vllm_plugin.registry import run
 
     class Runner:
         def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *a, **kw):
-            calls.append(1)
             return [[1, 2]]
 
-    mod = types.ModuleType("fake_runner_module")
+    original = Runner.propose_draft_token_ids
+    mod = types.ModuleType(hybrid_patch.MODULE)
     mod.GPUModelRunner = Runner
     monkeypatch.delenv(ENV, raising=False)
-    assert patch_runner(mod) is False
-    monkeypatch.setenv(ENV, HybridConfig().to_env())
-    assert patch_runner(mod) is True
-    assert patch_runner(mod) is False  # once
+    status = run(hybrid_patch.PATCH, mod, {})
+    assert (status.status, status.reason) == ("skipped", f"not a hybrid deployment ({ENV} unset)")
+    assert Runner.propose_draft_token_ids is original
+    monkeypatch.setenv(ENV, HybridConfig(rule="lookup").to_env())
+    statuses = {}
+    assert run(hybrid_patch.PATCH, mod, statuses).status == "applied"
+    wrapped = Runner.propose_draft_token_ids
+    assert wrapped is not original
+    assert run(hybrid_patch.PATCH, mod, statuses).status == "applied" and Runner.propose_draft_token_ids is wrapped
+    assert "cartspec patch: hybrid applied" in capsys.readouterr().err
 
 
 def test_hybrid_spec_runs_eagle3_underneath_with_its_settings_in_the_environment():
@@ -460,7 +496,7 @@ def test_text_in_the_runner_with_token_info_from_the_tokenizer():
 # --- the head's gate: the head's own probability decides where a copy first differs from it -----------
 
 def test_the_gate_keeps_the_heads_draft_where_the_head_is_sure_and_the_copy_where_it_is_not():
-    from cartspec.serving.hybrid import gate
+    from cartspec.drafting import gate
 
     head, copy = [7, 8, 9], [7, 5, 6]  # the copy first differs at position 1
     assert gate(copy, head, [0.99, 0.95, 0.5], 0.9) == head       # the head is sure there: its draft stands
@@ -479,7 +515,7 @@ def test_the_gate_keeps_the_heads_draft_where_the_head_is_sure_and_the_copy_wher
 
 
 def test_head_p_defaults_per_rule_round_trips_and_is_checked():
-    from cartspec.serving.hybrid import HEAD_P
+    from cartspec.drafting import HEAD_P
     from cartspec.serving.spec import Speculative
 
     assert HybridConfig(rule="pointer").head_p == HEAD_P["pointer"] > 0
@@ -499,7 +535,7 @@ def test_head_p_defaults_per_rule_round_trips_and_is_checked():
 
 def test_the_drafter_keeps_its_hidden_states_and_the_gate_asks_for_just_the_probabilities_it_needs():
     torch = pytest.importorskip("torch")
-    from cartspec.serving.hybrid import head_probs, record_hidden
+    from cartspec.vllm_plugin.hybrid import head_probs, record_hidden
 
     class Model:
         def compute_logits(self, h):
@@ -548,3 +584,27 @@ def test_runner_drafts_pass_each_requests_probabilities_to_the_gate():
     hybrid_drafts(runner, torch.tensor([[80, 2, 13], [80, 2, 13]]), sampled,
                   HybridConfig(2, 4, "lookup", "prompt", head_p=0.9), probs=probs)
     assert asked == []
+
+
+def test_serve_study_and_draft_acceptance_resolve_one_default_rule(tiny_llama_dir, tmp_path):
+    """What a user measures is what they deploy: the hybrid's rule where none is given is the same in
+    ``serve`` (its default deployment), the study (``hybrid:HEAD:γ``) and ``draft acceptance --method hybrid``."""
+    from cartspec.agent.defaults import default_spec
+    from cartspec.bench.plan import parse_deployment
+    from cartspec.draft.pipeline import hybrid_config
+    from cartspec.drafting import DEFAULT
+    from cartspec.model.registry import resolve_model
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    bundled = resolve_model("commerce")
+    served = default_spec("commerce", str(head), 3, enforce_eager=False).speculative.hybrid_config(str(bundled))
+    studied = parse_deployment("hybrid:domain:3", "commerce").speculative.hybrid_config(str(bundled))
+    measured = hybrid_config(target="commerce")
+    assert served == studied == measured and measured.rule == DEFAULT.rule == "pointer"
+    # a target no pointer was trained for: the hybrid drafts as the head alone, everywhere
+    studied = parse_deployment("hybrid:domain:3", str(tiny_llama_dir)).speculative.hybrid_config(str(tiny_llama_dir))
+    assert studied.rule == hybrid_config(target=str(tiny_llama_dir)).rule == "head"
+    assert default_spec(str(tiny_llama_dir), str(head), 3, enforce_eager=False,
+                        say=lambda m: None).speculative.method == "eagle3"

@@ -2,7 +2,7 @@
 
 A tiny random Llama and an untrained (random) EAGLE-3 head: the head's drafts are almost never
 right, so what is accepted comes from the prompt lookup the hybrid adds in the runner
-(``serving/hybrid.py``, loaded through the import hook of ``vllm_fixes``). The simulator
+(``vllm_plugin/hybrid.py``, loaded by cartspec's vLLM plugin). The simulator
 (``draft.simulate.simulate_hybrid``), given the same greedy outputs and the same head, must place the
 same accepted counts on the same verify steps; the head alone must not (else the test could not tell
 whether the hybrid ran).
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.vllm
 def test_hybrid_in_vllm_matches_the_simulator(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("CARTSPEC_HOME", str(tmp_path / "home"))
     from cartspec.draft.acceptance import measure_simulated, measure_vllm
-    from cartspec.serving.hybrid import HybridConfig
+    from cartspec.drafting import HybridConfig
     from cartspec.task.generator import generate
 
     head_dir = make_random_head(tiny_llama_dir, tmp_path / "head")
@@ -63,7 +63,7 @@ def test_the_pointer_rule_loads_in_vllm_and_matches_the_simulator(tiny_llama_dir
     from cartspec.draft.acceptance import measure_simulated, measure_vllm
     from cartspec.draft.pointer import sequences_from_gold, train_pointer
     from cartspec.model.registry import target_digest
-    from cartspec.serving.hybrid import HybridConfig, TokenInfo
+    from cartspec.drafting import HybridConfig, TokenInfo
     from cartspec.task.generator import generate
 
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
@@ -93,7 +93,7 @@ def test_the_gate_reads_the_heads_probabilities_inside_vllm(tiny_llama_dir, tmp_
     which the same replies accept."""
     monkeypatch.setenv("CARTSPEC_HOME", str(tmp_path / "home"))
     from cartspec.draft.acceptance import measure_simulated, measure_vllm
-    from cartspec.serving.hybrid import HybridConfig
+    from cartspec.drafting import HybridConfig
     from cartspec.task.generator import generate
 
     head_dir = make_random_head(tiny_llama_dir, tmp_path / "head")

@@ -8,7 +8,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from cartspec.serving import idle_drafter  # noqa: E402
+from cartspec.vllm_plugin import idle_drafter  # noqa: E402
+from cartspec.vllm_plugin.registry import PatchError, run  # noqa: E402
+
+
+def patch_runner(mod, statuses=None) -> bool:
+    """Apply the patch to a stand-in module; True if it was applied now."""
+    statuses = {} if statuses is None else statuses
+    before = dict(statuses)
+    return run(idle_drafter.PATCH, mod, statuses).status == "applied" and "idle_drafter" not in before
 
 
 class _Cfg:
@@ -43,20 +51,21 @@ def _step(k):
 def test_k0_returns_an_empty_draft_without_calling_the_drafter(monkeypatch):
     monkeypatch.delenv(idle_drafter.ENV, raising=False)
     mod, calls = _module()
-    assert idle_drafter.patch_runner(mod)
+    statuses = {}
+    assert patch_runner(mod, statuses)
     runner = mod.GPUModelRunner()
     out = runner.propose_draft_token_ids(_step(0), None)
     assert calls == [] and tuple(out.shape) == (3, 0) and out.dtype == torch.int64
     out = runner.propose_draft_token_ids(_step(3), None)
     assert calls == [3] and tuple(out.shape) == (3, 3)
-    assert not idle_drafter.patch_runner(mod), "patching twice must not wrap twice"
+    assert not patch_runner(mod, statuses), "patching twice must not wrap twice"
 
 
 @pytest.mark.parametrize("method,event", [("ngram", None), ("eagle3", object())])
 def test_other_methods_and_async_runners_keep_the_drafter(monkeypatch, method, event):
     monkeypatch.delenv(idle_drafter.ENV, raising=False)
     mod, calls = _module(method, event)
-    idle_drafter.patch_runner(mod)
+    patch_runner(mod)
     mod.GPUModelRunner().propose_draft_token_ids(_step(0), None)
     assert calls == [0]
 
@@ -64,9 +73,9 @@ def test_other_methods_and_async_runners_keep_the_drafter(monkeypatch, method, e
 def test_the_env_var_keeps_vllms_behaviour_and_rejects_typos(monkeypatch):
     monkeypatch.setenv(idle_drafter.ENV, "run")
     mod, calls = _module()
-    assert not idle_drafter.patch_runner(mod)
+    assert not patch_runner(mod)
     mod.GPUModelRunner().propose_draft_token_ids(_step(0), None)
     assert calls == [0]
     monkeypatch.setenv(idle_drafter.ENV, "skp")
-    with pytest.raises(ValueError, match="CARTSPEC_DRAFTER_AT_K0"):
-        idle_drafter.patch_runner(_module()[0])
+    with pytest.raises(PatchError, match="CARTSPEC_DRAFTER_AT_K0"):
+        patch_runner(_module()[0])

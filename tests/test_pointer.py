@@ -1,4 +1,4 @@
-"""The hybrid's pointer (draft/pointer.py, rule ``pointer`` in serving/hybrid.py), on hand-made vocabularies.
+"""The hybrid's pointer (drafting/pointer.py, rule ``pointer`` in drafting/rules/pointer.py), on hand-made vocabularies.
 
 What a user relies on: at a value's opening quote the pointer's pick replaces the head's draft, "no copy"
 keeps it; a lookup's copy of a value the pointer says copies nothing gives way to the head; the candidate
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from test_hybrid import _tids, _tinfo
 
-from cartspec.serving.hybrid import SPECIAL_TEXT, HybridConfig, TokenInfo, propose
+from cartspec.drafting import SPECIAL_TEXT, HybridConfig, TokenInfo, propose
 
 torch = pytest.importorskip("torch")
 

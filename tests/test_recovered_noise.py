@@ -9,9 +9,10 @@ import sys
 
 import pytest
 import torch
-from _cuda import cpu_only
+from _cuda import cpu_only, run_like_a_vllm_process
 
-from cartspec.serving import recovered_noise, vllm_fixes
+from cartspec.vllm_plugin import recovered_noise
+from cartspec.vllm_plugin.registry import run
 
 
 def test_noise_is_exponential_in_drafted_rows_and_finite_elsewhere():
@@ -41,21 +42,24 @@ def test_the_env_var_keeps_vllms_function_and_rejects_typos(monkeypatch):
     class Mod:
         sample_recovered_tokens = staticmethod(lambda *a: None)
 
-    assert recovered_noise.patch_module(Mod) is False
+    original = Mod.sample_recovered_tokens
+    status = run(recovered_noise.PATCH, Mod, {})
+    assert (status.status, status.reason) == ("skipped", "CARTSPEC_RECOVERED_NOISE=vllm")
+    assert Mod.sample_recovered_tokens is original
     monkeypatch.setenv(recovered_noise.ENV, "sometimes")
     with pytest.raises(ValueError, match="CARTSPEC_RECOVERED_NOISE"):
         recovered_noise.mode()
 
 
 # Through vLLM's own rejection sampler module and CPU kernel, in an interpreter started the way
-# VllmServer starts vLLM (the import hook applies the patch).
+# every vLLM process starts (vLLM loads cartspec's plugin, which applies the patch).
 _CHECK = """
 import types, torch
 from vllm.platforms import current_platform
 current_platform.import_kernels()
 current_platform.register_triton_kernel_overrides()
 from vllm.v1.sample import rejection_sampler as rs
-print("PATCHED", getattr(rs, "_cartspec_recovered_noise", False))
+print("PATCHED", hasattr(rs.sample_recovered_tokens, "__wrapped__"))
 target = torch.tensor([.05, .1, .2, .3, .15, .1, .05, .05])
 V = len(target)
 
@@ -82,9 +86,11 @@ print("SEEDED", same)
 @cpu_only("the patch replaces the rejection sampler's noise on CPU only")
 def test_servers_we_start_sample_recovered_tokens_from_the_right_distribution():
     pytest.importorskip("vllm")
-    env = {**os.environ, "PYTHONPATH": str(vllm_fixes.SITE_DIR)}
+    env = dict(os.environ)
     env.pop(recovered_noise.ENV, None)
-    out = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True, text=True, timeout=300)
+    prelude = "from vllm.plugins import load_general_plugins\nload_general_plugins()\n"  # as every vLLM process
+    out = subprocess.run([sys.executable, "-c", prelude + _CHECK], env=env, capture_output=True, text=True,
+                         timeout=300)
     lines = {x.split()[0]: x.split()[1:] for x in out.stdout.splitlines() if x.split()}
     assert lines.get("PATCHED") == ["True"], out.stderr[-3000:]
     assert lines["EMPTY"] == ["0", "True"]  # nothing drafted: nothing drawn, no generator moved
@@ -93,4 +99,4 @@ def test_servers_we_start_sample_recovered_tokens_from_the_right_distribution():
     expected = [p / sum(expected) for p in expected]
     assert [float(x) for x in lines["FREQ"]] == pytest.approx(expected, abs=0.015)
     assert lines["SEEDED"] == ["True"]  # a seeded request's recovered token does not depend on its batch
-    assert "cartspec: recovered-token noise" in out.stderr
+    assert "cartspec patch: recovered_noise applied" in out.stderr

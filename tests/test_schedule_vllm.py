@@ -49,7 +49,7 @@ def test_a_lone_request_drafts_and_a_full_batch_does_not(tiny_llama_dir, tmp_pat
     tokens = sum(b.output_tokens for b in batch)
     assert tokens == 6 * 24
     assert sum(drafted) <= 0.1 * 3 * tokens, (sum(drafted), tokens)
-    # γ = 0 steps skip the drafter's forward pass (idle_drafter.py), and that loses nothing: greedy replies
+    # γ = 0 steps skip the drafter's forward pass (vllm_plugin/idle_drafter.py), and that loses nothing: greedy replies
     # drafted for at every step and replies never drafted for are the target's, token for token.
     log = "".join(p.read_text(errors="replace") for p in tmp_path.glob("*.log"))
     assert "skip the EAGLE drafter" in log

@@ -282,3 +282,23 @@ def test_the_adaptive_point_is_set_beside_the_fixed_row_that_runs_its_gamma():
     odd = _sliced("eagle3-domain-auto", "eagle3", None, [150.0] * 4, schedule=[[1, 64, 4]])
     row, = adaptive_table(study_rows([base, g3, odd]), [base, g3, odd])
     assert row.same_gamma is None and row.vs_same_gamma is None
+
+
+def test_the_report_header_says_what_cartspecs_vllm_plugin_did_in_the_deployments():
+    from cartspec.analysis.study import patch_summary
+    from cartspec.results import DeploymentInfo, PointConfig, PointResult
+
+    def point(label, patches):
+        return PointResult(key=label, status="ok",
+                           config=PointConfig(deployment=label, method="none", concurrency=1, n_requests=1),
+                           deployment=DeploymentInfo(label=label, method="none", model="m",
+                                                     versions={"vllm_patches": patches}))
+
+    results = [point("baseline", "cpu_expand=applied, hybrid=skipped"),
+               point("baseline", "cpu_expand=applied, hybrid=skipped"),  # the same deployment, another point
+               point("hybrid-domain-g3", "cpu_expand=applied, hybrid=applied"),
+               point("eagle3-domain-g3", "cpu_expand=applied, hybrid=skipped")]
+    assert patch_summary(results) == {"cpu_expand": "applied",
+                                      "hybrid": "skipped in 2 of 3 deployments, applied in 1 of 3 deployments"}
+    assert patch_summary(results[:1]) == {"cpu_expand": "applied", "hybrid": "skipped"}
+    assert patch_summary([]) == {}

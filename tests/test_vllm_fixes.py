@@ -8,21 +8,21 @@ import sys
 
 import pytest
 import torch
-from _cuda import cpu_only
+from _cuda import cpu_only, run_like_a_vllm_process
 
-from cartspec.serving import vllm_fixes
+from cartspec.vllm_plugin import cpu_expand, cpu_generators
 
 
 def test_expand_kernel_spreads_each_value_over_its_tokens():
     out = torch.full((7,), -3.0)
-    vllm_fixes.expand_kernel(out, torch.tensor([0.5, -1.0, 0.7]), torch.tensor([3, 5, 6]), -1, 1)
+    cpu_expand.expand_kernel(out, torch.tensor([0.5, -1.0, 0.7]), torch.tensor([3, 5, 6]), -1, 1)
     assert out.tolist()[:6] == pytest.approx([0.5, 0.5, 0.5, 1.0, 1.0, 0.7])
     assert out[6].item() == -3.0  # past cu[-1]: untouched
 
 
 def test_expand_kernel_skips_requests_without_drafts_and_keeps_int_dtype():
     out = torch.zeros(4, dtype=torch.int32)
-    vllm_fixes.expand_kernel(out, torch.tensor([9, 0, 4]), torch.tensor([2, 2, 4]), 0, 50)
+    cpu_expand.expand_kernel(out, torch.tensor([9, 0, 4]), torch.tensor([2, 2, 4]), 0, 50)
     assert out.tolist() == [9, 9, 4, 4]
 
 
@@ -35,14 +35,16 @@ def test_install_replaces_vllms_broken_cpu_override():
     current_platform.import_kernels()  # the C++ op the original override calls
     from vllm.utils import cpu_triton_utils
 
-    vllm_fixes.install()
-    assert cpu_triton_utils._expand_kernel_impl is vllm_fixes.expand_kernel
-    assert not vllm_fixes.expand_is_broken(cpu_triton_utils._expand_kernel_impl)
+    from cartspec.vllm_plugin.registry import run
+
+    assert run(cpu_expand.PATCH, cpu_triton_utils, {}).status == "applied"
+    assert cpu_triton_utils._expand_kernel_impl is cpu_expand.expand_kernel
+    assert not cpu_expand.expand_is_broken(cpu_triton_utils._expand_kernel_impl)
     # The override we replaced is the broken one (if vLLM fixes it, this reminds us to drop ours).
-    assert vllm_fixes.expand_is_broken(cpu_triton_utils._original_expand_kernel_impl)
+    assert cpu_expand.expand_is_broken(cpu_triton_utils._original_expand_kernel_impl)
 
 
-# In a fresh interpreter started the way VllmServer starts vLLM: the rejection sampler's own
+# In a fresh interpreter that loads vLLM's plugins as every vLLM process does: the rejection sampler's own
 # per-token temperatures, through vLLM's kernel dispatcher.
 _SAMPLER_CHECK = """
 import torch
@@ -58,12 +60,7 @@ print("TEMPS", *[round(x, 4) for x in got.tolist()])
 
 
 def _run_like_our_servers(code: str, tag: str) -> tuple[str | None, str]:
-    """Run ``code`` in a fresh interpreter with the shim on PYTHONPATH, as VllmServer starts vLLM;
-    return its output line starting with ``tag`` and its stderr."""
-    pytest.importorskip("vllm")
-    env = {**os.environ, "PYTHONPATH": str(vllm_fixes.SITE_DIR)}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    return next((x for x in out.stdout.splitlines() if x.startswith(tag)), None), out.stderr
+    return run_like_a_vllm_process(code, tag)
 
 
 @cpu_only("the expand fix replaces an override that only vLLM's CPU platform registers; on CUDA the "
@@ -72,24 +69,14 @@ def test_servers_we_start_sample_with_the_right_temperatures():
     line, stderr = _run_like_our_servers(_SAMPLER_CHECK, "TEMPS")
     assert line is not None, stderr[-3000:]
     assert [float(x) for x in line.split()[1:]] == pytest.approx([0.5, 0.5, 0.5, 1, 1, 1, 0.7, 0.7])
-    assert "cartspec: replaced" in stderr
-
-
-def test_the_shim_still_runs_a_sitecustomize_it_shadows(tmp_path):
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "sitecustomize.py").write_text("import builtins\nbuiltins.SHADOWED_RAN = True\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(vllm_fixes.SITE_DIR), str(other)])}
-    out = subprocess.run([sys.executable, "-c", "import builtins; print(getattr(builtins, 'SHADOWED_RAN', False))"],
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "True", out.stderr[-2000:]
+    assert "cartspec patch: cpu_expand applied" in stderr
 
 
 # --- seeded sampled requests: CPU generators cannot rewind ------------------------------------
 
 
 def test_tolerant_generator_draws_like_torchs_and_undoes_a_discarded_draw():
-    gen_cls = vllm_fixes.offset_tolerant_generator_class()
+    gen_cls = cpu_generators.offset_tolerant_generator_class()
     ours, plain = gen_cls(device="cpu"), torch.Generator(device="cpu")
     ours.manual_seed(7), plain.manual_seed(7)
     assert torch.equal(torch.rand(5, generator=ours), torch.rand(5, generator=plain))
@@ -119,4 +106,4 @@ print("RUNNER", m.torch.zeros is torch.zeros, isinstance(g, torch.Generator), m.
 def test_servers_we_start_give_the_model_runner_tolerant_generators():
     line, stderr = _run_like_our_servers(_RUNNER_CHECK, "RUNNER")
     assert line == "RUNNER True True True True", stderr[-3000:]
-    assert "cartspec: CPU-tolerant generators" in stderr
+    assert "cartspec patch: cpu_generators applied" in stderr

@@ -41,7 +41,7 @@ def _tiny_file(tmp_path):
 
 def test_seeded_sampling_survives_a_chunked_prefill(tiny_llama_dir, tmp_path):
     """vLLM rewinds a seeded request's generator when it throws away the token it sampled for a
-    partly prefilled prompt. On CPU that raised and killed the engine (``vllm_fixes.py``); a
+    partly prefilled prompt. On CPU that raised and killed the engine (``vllm_plugin/cpu_generators.py``); a
     64-token batch budget chunks this ~200-token prompt on every request."""
     spec = DeploymentSpec(name="tiny", model=str(tiny_llama_dir), enforce_eager=True, max_model_len=512,
                           max_num_seqs=4, engine_args=["--max-num-batched-tokens", "64"])

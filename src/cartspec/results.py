@@ -391,6 +391,16 @@ class Invocation(BaseModel):
     points_skipped: int | None = None
     server_api_key_env: str | None = Field(None, description="the variable that held the endpoint's API key "
                                                              "(the key itself is never written)")
+    vllm_patches: dict[str, str] | None = Field(None, description="what cartspec's vLLM plugin did in the "
+                                                                  "deployments this invocation measured "
+                                                                  "(``patch_summary``)")
+
+    @model_serializer(mode="wrap")
+    def _without_absent_patches(self, handler):  # an invocation without the report writes what it wrote before
+        out = handler(self)
+        if isinstance(out, dict) and out.get("vllm_patches") is None:
+            out.pop("vllm_patches", None)
+        return out
 
 
 class RunManifest(BaseModel):
@@ -464,6 +474,26 @@ def load_results(run_dir: str | Path) -> list[PointResult]:
 def finished_keys(run_dir: str | Path) -> set[str]:
     """Points a rerun skips: those measured successfully. Failed points are retried."""
     return {r.key for r in load_results(run_dir) if r.status == "ok"}
+
+
+def patch_summary(results: list[PointResult]) -> dict[str, str]:
+    """Each patch of cartspec's vLLM plugin -> what the run's deployments reported (``versions.vllm_patches``,
+    ``cpu_expand=applied, hybrid=skipped, ...``): one status where all agree, else how many said which."""
+    seen: dict[str, dict[str, str]] = {}  # deployment label -> its patches
+    for r in results:
+        d = r.deployment
+        text = (d.versions.get("vllm_patches") if d and d.versions else None) or ""
+        if text and d.label not in seen:
+            seen[d.label] = dict(x.strip().split("=", 1) for x in text.split(",") if "=" in x)
+    out: dict[str, str] = {}
+    for name in dict.fromkeys(n for patches in seen.values() for n in patches):
+        counts: dict[str, int] = {}
+        for patches in seen.values():
+            status = patches.get(name, "not reported")
+            counts[status] = counts.get(status, 0) + 1
+        out[name] = (next(iter(counts)) if len(counts) == 1 else
+                     ", ".join(f"{s} in {n} of {len(seen)} deployments" for s, n in counts.items()))
+    return out
 
 
 # --- a point beside its baseline -------------------------------------------------------------------------

@@ -28,8 +28,9 @@ def _warn(message: str) -> None:
 def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: str = "auto",
                  draft: str = DEFAULT_DRAFT, say: Say = _warn) -> DeploymentSpec:
     """The deployment ``serve`` runs: the commerce target; the domain head at γ=``gamma`` when the head is
-    there, drafting with ``draft`` (eagle3, or hybrid: the head plus prompt lookup, with the pointer where
-    the bundled one was trained for the served model), otherwise no speculation. ``say``: where a warning
+    there, drafting with ``draft`` (eagle3, or hybrid: the head plus the prompt's copies with the rule
+    ``drafting.config.default_rule`` gives the target; where that is the head alone, eagle3), otherwise no
+    speculation. ``say``: where a warning
     goes (no head for this target: served without speculation)."""
     from ..model.convert import ModelNotFound
     from ..model.registry import matching_bundled_head, resolve_head, resolve_model
@@ -47,10 +48,13 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: 
     if head != "none":
         resolve_head(head)
         rule = None
-        if draft == "hybrid":  # with the pointer where one was trained for this model
-            from ..model.registry import matching_bundled_pointer
+        if draft == "hybrid":  # the hybrid's default rule for this target (the pointer where one was trained)
+            from ..drafting.config import NO_POINTER, default_rule
 
-            rule = "pointer" if matching_bundled_pointer(resolve_model(model)) else None
+            rule = default_rule(resolve_model(model))
+            if rule == "head":  # the hybrid would draft as the head alone, at the hybrid's cost: the head alone
+                say(f"{NO_POINTER}; serving the head alone (--draft eagle3)")
+                draft, rule = "eagle3", None
         speculative = Speculative(method=draft, model=head, num_speculative_tokens=gamma, hybrid_rule=rule)
     # Per-request timing metrics give the trace vLLM's own queue time and TTFT.
     return DeploymentSpec(model=model, speculative=speculative, enforce_eager=enforce_eager, dtype=dtype,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 from ..quality.models import JudgeCalibration, QualityEntry, QualityReport
 from ..results import Invocation, Machine, load_label, load_value
@@ -211,6 +211,17 @@ class RunInfo(BaseModel):
                                            "deployment after another (ratios then carry the host's drift)")
     rounds: int = Field(1, description="slices per point, the servers taking turns at every slice")
     restart_rounds: bool = Field(False, description="servers started again between rounds, in rotated order")
+    vllm_patches: dict[str, str] | None = Field(None, description=(
+        "each patch of cartspec's vLLM plugin -> what the deployments' logs reported: applied, skipped, "
+        "failed, or e.g. 'skipped in 2 of 3 deployments, applied in 1 of 3 deployments'; absent where the "
+        "deployments reported none (runs before the plugin, servers cartspec did not start)"))
+
+    @model_serializer(mode="wrap")
+    def _without_absent_patches(self, handler):  # a run without the report writes the summary it wrote before
+        out = handler(self)
+        if isinstance(out, dict) and out.get("vllm_patches") is None:
+            out.pop("vllm_patches", None)
+        return out
 
 
 class StudyAnalysis(BaseModel):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..quality.models import QualityReport
-from ..results import PointResult, RunManifest, load_results
+from ..results import PointResult, RunManifest, load_results, patch_summary
 from .adaptive import adaptive_table
 from .capacity import capacity_table
 from .models import CostModelFit, CostModelMissing, QualityJudge, RunInfo, StudyAnalysis
@@ -60,7 +60,8 @@ def analyse(results: list[PointResult], manifest: RunManifest | None = None, run
                     dtypes=sorted({r.dtype for r in rows if r.dtype}), seconds=manifest.seconds,
                     interleave=int(manifest.plan.get("interleave") or 1),
                     rounds=int(manifest.plan.get("rounds") or 1),
-                    restart_rounds=bool(manifest.plan.get("restart_rounds"))),
+                    restart_rounds=bool(manifest.plan.get("restart_rounds")),
+                    vllm_patches=patch_summary(results) or None),
         slo_e2el_s=slo, target_rps=target, points=rows, capacity=caps, quality_tests=tests,
         quality=quality.entries if quality else [],
         quality_judge=judge, quality_metric=quality.metric if quality else None,

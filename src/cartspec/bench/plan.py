@@ -78,7 +78,7 @@ def baseline(model: str) -> DeploymentSpec:
 
 def spec_deployment(model: str, method: str, gamma: int, head: str | None = None,
                     rule: str | None = None) -> DeploymentSpec:
-    """``rule``: the hybrid's (``serving.hybrid.RULES``; None: its default)."""
+    """``rule``: the hybrid's (``drafting.config.RULES``; None: its default)."""
     return DeploymentSpec(model=model, speculative=Speculative(method=method, num_speculative_tokens=gamma,
                                                                model=head, hybrid_rule=rule))
 
@@ -91,10 +91,10 @@ def adaptive_deployment(model: str, head: str) -> DeploymentSpec:
 def parse_deployment(text: str, model: str) -> DeploymentSpec:
     """``baseline`` | ``ngram:3`` | ``eagle3:domain:3`` | ``eagle3:/path/to/head:5`` | ``eagle3:domain:auto``
     (γ per batch size, tuned for this machine) | ``hybrid:domain:3`` (EAGLE-3 + prompt lookup) |
-    ``hybrid-pointer:domain:3`` (the hybrid with that rule, ``serving.hybrid.RULES``) -> a spec."""
+    ``hybrid-pointer:domain:3`` (the hybrid with that rule, ``drafting.config.RULES``) -> a spec."""
     parts = text.split(":")
     if parts[0].startswith("hybrid-") and len(parts) >= 3:
-        from ..serving.hybrid import RULES
+        from ..drafting.config import RULES
 
         rule = parts[0][len("hybrid-"):]
         if rule not in RULES:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from ..results import (Invocation, Machine, PointConfig, PointResult, RunManifest, append_result, finished_keys,
-                       load_results, now_iso)
+                       load_results, now_iso, patch_summary)
 from ..serving.endpoint import Launcher, api_key_from_env
 from ..serving.spec import DeploymentSpec
 from .grouping import run_group, shares_host
@@ -43,6 +43,7 @@ def finish_run_file(out: Path, seconds: float, measured: int, skipped: int) -> N
     last = manifest.invocations[-1]
     last.finished_at, last.seconds = now_iso(), round(seconds, 1)
     last.points_measured, last.points_skipped = measured, skipped
+    last.vllm_patches = patch_summary(load_results(out)) or None  # what the vLLM plugin did in the deployments
     manifest.save(out)
 
 

@@ -155,7 +155,7 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
                  on_done: Callable[[int, int], None] | None = None, dtype: str = "auto",
                  hybrid: Any = None, server: str | None = None, served_name: str | None = None,
                  api_key: str | None = None) -> dict[str, Any]:
-    """``method``: eagle3 | ngram | hybrid (``hybrid``: a ``serving.hybrid.HybridConfig``, default its DEFAULT).
+    """``method``: eagle3 | ngram | hybrid (``hybrid``: a ``drafting.config.HybridConfig``; None: the default for the target, as ``serve`` deploys).
 
     ``server``: measure this running vLLM instead of starting one (``served_name``: its model, default the
     first it lists; ``api_key``: sent as a bearer token). It must run ``target`` with the method, γ and head
@@ -242,7 +242,7 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
                                         f"{aligned['replay_agrees_with_engine']}")
         summary["replay_agrees_with_engine"] = aligned.get("replay_agrees_with_engine")
     if method == "hybrid":
-        summary["hybrid"] = sp.hybrid_config().__dict__
+        summary["hybrid"] = sp.hybrid_config(str(model_dir)).__dict__
     out_tokens = sum(len(o) for o in outputs)
     summary["replies"] = [{"id": r.id, "token_ids": list(o), "per_step_accepted": (c.request_spec_metrics or {}).get("per_step_accepted")}
                           for r, o, c in zip(reqs, outputs, results)]
@@ -322,9 +322,10 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
         embed = load_target_weights(model_dir)["embed"].float()
         summary, _ = simulate(h, embed, fs, gamma, classes, progress)
     elif method == "hybrid":
-        from ..serving.hybrid import DEFAULT, NEEDS_TOKENS, TokenInfo
+        from ..drafting.config import NEEDS_TOKENS, HybridConfig, default_rule
+        from ..drafting.tokens import TokenInfo
 
-        hybrid = hybrid or DEFAULT
+        hybrid = hybrid or HybridConfig(rule=default_rule(model_dir))
         info = TokenInfo.from_tokenizer(tok) if hybrid.rule in NEEDS_TOKENS else None
         head_dir = resolve_head(head)
         h = load_head(head_dir)
@@ -332,7 +333,7 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
         pointer = None
         if hybrid.rule == "pointer":
             from ..model.registry import check_head, resolve_pointer
-            from .pointer import Pointer
+            from ..drafting.pointer import Pointer
 
             pdir = resolve_pointer(hybrid.pointer)
             check_head(pdir, model_dir, what="pointer")

@@ -135,7 +135,7 @@ def acceptance(
     lookup_min: Optional[int] = typer.Option(None, help="hybrid: smallest n-gram the lookup matches"),
     lookup_max: Optional[int] = typer.Option(None, help="hybrid: largest n-gram the lookup matches"),
     rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head | anchor | text | pointer "
-                                                  "(serving/hybrid.py)"),
+                                                  "(drafting/rules)"),
     pointer: Optional[str] = typer.Option(None, help="hybrid rule pointer: commerce (bundled, the default) | "
                                                      "DIR (`cartspec draft pointer`)"),
     scope: Optional[str] = typer.Option(None, help="hybrid: prompt | context (where the lookup searches)"),
@@ -178,7 +178,7 @@ def acceptance(
     hybrid = None
     try:
         if method == "hybrid":
-            hybrid = hybrid_config(lookup_min, lookup_max, rule, scope, head_p, pointer)
+            hybrid = hybrid_config(lookup_min, lookup_max, rule, scope, head_p, pointer, target=target)
         elif any(x is not None for x in (lookup_min, lookup_max, rule, scope, pointer, head_p)):
             _fail("settings of --method hybrid only: --lookup-min, --lookup-max, --rule, --scope, --pointer, "
                   "--head-p")

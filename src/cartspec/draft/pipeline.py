@@ -343,7 +343,7 @@ def build_pointer(cfg: PointerTrainingConfig, *, log: Log = _noop) -> PointerTra
 
     from ..model.convert import ModelNotFound
     from ..model.registry import POINTERS_DIR, resolve_model, target_digest
-    from ..serving.hybrid import TokenInfo
+    from ..drafting.tokens import TokenInfo
     from ..task.data import DataFileError, read_requests
     from .acceptance import load_data
     from .pointer import sequences_from_gold, train_pointer
@@ -386,17 +386,22 @@ def build_pointer(cfg: PointerTrainingConfig, *, log: Log = _noop) -> PointerTra
 
 
 def hybrid_config(lookup_min: int | None = None, lookup_max: int | None = None, rule: str | None = None,
-                  scope: str | None = None, head_p: float | None = None, pointer: str | None = None) -> Any:
-    """The hybrid's ``HybridConfig`` from ``draft acceptance``'s settings (None: the default's), its pointer
-    resolved where the rule is ``pointer``. Raises DraftPipelineError for a setting it refuses."""
+                  scope: str | None = None, head_p: float | None = None, pointer: str | None = None,
+                  target: str | None = None) -> Any:
+    """The hybrid's ``HybridConfig`` from ``draft acceptance``'s settings (None: the default's; the rule: the
+    default for ``target``, ``drafting.config.default_rule``, as ``serve`` deploys), its pointer resolved where
+    the rule is ``pointer``. Raises DraftPipelineError for a setting it refuses."""
     from dataclasses import replace
 
+    from ..drafting.config import DEFAULT, HybridConfig, default_rule
     from ..model.convert import ModelNotFound
-    from ..serving.hybrid import DEFAULT, HybridConfig
+    from ..model.registry import resolve_model
 
     try:
+        if rule is None:
+            rule = default_rule(resolve_model(target) if target else None, pointer)
         hybrid = HybridConfig(n_min=lookup_min or DEFAULT.n_min, n_max=lookup_max or DEFAULT.n_max,
-                              rule=rule or DEFAULT.rule, scope=scope or DEFAULT.scope, head_p=head_p)
+                              rule=rule, scope=scope or DEFAULT.scope, head_p=head_p)
         if hybrid.rule == "pointer":
             from ..model.registry import resolve_pointer
 

@@ -1,300 +1,26 @@
 """A pointer over the shopper's words: which word of the prompt a reply's string value starts with.
 
-The EAGLE-3 head drafts a reply's JSON structure and keys well and the values it saw in training, but a
-value copied from the request is mostly lost at its first token: the context ends in the value's opening
-quote and the head drafts a word it knows (``ten`` where the shopper wrote ``jacket``). Prompt lookup
-copies the rest of a word once its first token is there; nothing picks the word. This pointer does: at a
-value's opening quote it scores every word start of the prompt's turns (not a system message's), and a
-"no copy" choice, and its pick is drafted as the prompt's text from that word on (re-encoded with the
-served tokenizer).
-
-What it reads is token ids only, which is what vLLM's runner hands the hybrid drafter
-(``serving.hybrid``): the key whose value opens (``"brand": "`` -> ``brand``), and for every candidate
-word its token and its neighbours', as rows of the target's input embedding through a learnt projection
-(words it never saw still have the target's embedding), plus a few flags (capitalised, a number, already
-in the reply, where in the chat it is, the word equals the key). A word is offered as written and, where
-that differs, in lower case (replies often lower-case what the shopper wrote). A small MLP scores each
-candidate; a second scores "no copy" from the key (``intent``, ``category``, ``sort``: enums the head
-knows). Trained by ``cartspec draft pointer`` on the training split's gold replies (``train_pointer``):
-the target's replies are the gold JSON (``json.dumps``), so no generation is needed.
-
-Files (``save`` / ``Pointer.load``): ``pointer.safetensors`` (the projection and the two MLPs, a few
-hundred KB: the embedding is the target's, read from the model directory at load time) and
-``config.json`` (sizes, the target it was trained for, the training log).
+The pointer itself (what it reads, its net, ``Pointer.load`` and ``pick``) is ``drafting.pointer``, which
+the hybrid rule ``pointer`` runs in the simulator and in vLLM. This module trains one: ``train_pointer`` on
+the training split's gold replies (``sequences_from_gold``), through ``cartspec draft pointer``.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+import json
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
-from ..serving.hybrid import _fold
-
-SPECIALS_AFTER = 6  # one-hot of the special tokens between a word and the prompt's end (0..5, 6+ together)
-FLAGS = ("capital", "digit", "lowered", "in_reply", "is_key", "after_key", "segment_start", "segment_pos",
-         "words_to_end") + tuple(f"specials_{i}" for i in range(SPECIALS_AFTER + 1))
-N_SLOTS = 4  # tokens per candidate: its first token, the two before it, the one after it
-MAX_CANDIDATES = 96  # the latest word starts of a long prompt
-MEMO = 1024  # value starts whose scores are kept (``Pointer.probs``)
-
-
-@dataclass
-class PointerConfig:
-    dim: int = 32  # the projection of the target's embedding
-    hidden: int = 64
-    # the bundled pointer's: chosen in the simulator on the dev split's greedy replies (its PROVENANCE.md)
-    min_p: float = 0.7  # ``pick`` drafts a copy only where its probability is at least this
-    veto_p: float = 0.5  # the hybrid drops a text copy inside a value whose "no copy" is at least this likely
-    embed_dim: int = 0  # the target's hidden size (set from its embedding)
-    cartspec: dict[str, Any] = field(default_factory=dict)  # {"target": {"name", "digest"}}: the model trained for
-    log: dict[str, Any] = field(default_factory=dict)
-
-
-def value_key(context: Sequence[int], prompt_len: int, q: int, texts: Sequence[str]) -> str:
-    """The key whose value opens at the quote ``context[q]``: the text between the last ``"`` before the
-    last ``":`` of the reply so far (``{"brands": ["nike", "`` -> ``brands``); "" where none."""
-    reply = "".join(texts[t] for t in context[prompt_len:q + 1])
-    c = reply.rfind('":')
-    if c < 0:
-        return ""
-    o = reply.rfind('"', 0, c)
-    return reply[o + 1:c] if o >= 0 else ""
-
-
-@dataclass
-class Candidates:
-    """The word starts of the prompt a value may copy: character offsets in ``text`` (the prompt's
-    tokens' texts joined), whether offered in lower case, their tokens (``N_SLOTS`` per candidate, -1 for
-    none) and ``FLAGS``."""
-
-    text: str
-    starts: list[int]
-    lowered: list[bool]
-    tokens: np.ndarray  # [n, N_SLOTS] int64
-    flags: np.ndarray  # [n, len(FLAGS)] float32
-
-
-@dataclass
-class PromptWords:
-    """What ``candidates`` reads of a prompt, computed once per prompt (``prompt_words``): the candidates'
-    starts, lower-case offers, folded words and previous words, tokens and the flags that do not depend on
-    the reply."""
-
-    text: str
-    starts: list[int]
-    lowered: list[bool]
-    words: list[str]
-    prev_words: list[str]
-    tokens: np.ndarray
-    flags: np.ndarray
-
-
-_PROMPTS: dict[tuple, PromptWords] = {}
-PROMPT_CACHE = 512  # prompts kept (a server's requests in flight, a simulator's sequence)
-_DYNAMIC = [FLAGS.index(f) for f in ("in_reply", "is_key", "after_key")]
-
-
-def prompt_words(prompt: Sequence[int], texts: Sequence[str], special: str) -> PromptWords:
-    """Every word start of the prompt's text (a letter or digit after anything else, not right after a
-    special token: a chat template's role name), the latest ``MAX_CANDIDATES``; each as written and, where
-    different, in lower case. Cached per prompt."""
-    cache_key = (id(texts), special, tuple(prompt))
-    hit = _PROMPTS.get(cache_key)
-    if hit is not None:
-        return hit
-    P = len(prompt)
-    pieces = [texts[t] for t in prompt]
-    offs = np.cumsum([0] + [len(p) for p in pieces])
-    text = "".join(pieces)
-    low = _fold(text)
-    sp_pos = np.array([i for i, c in enumerate(text) if c == special], dtype=np.int64)
-    # a system message's words are not the shopper's: its role name is the word right after a special token
-    system = [(int(p), int(sp_pos[n + 1]) if n + 1 < len(sp_pos) else len(text)) for n, p in enumerate(sp_pos)
-              if low.startswith("system", p + 1) and not low[p + 7:p + 8].isalnum()]
-    starts = [i for i in range(len(text)) if text[i].isalnum() and (i == 0 or not (text[i - 1].isalnum()
-                                                                             or text[i - 1] == special))
-              and not any(a < i < b for a, b in system)]
-    starts = starts[-MAX_CANDIDATES:]
-    seg_of = np.searchsorted(sp_pos, starts)  # the segment (between special tokens) each start is in
-    rows, flags, st_out, lowered, words, prevs = [], [], [], [], [], []
-    prev_word = ""
-    for n, i in enumerate(starts):
-        e = i
-        while e < len(text) and text[e].isalnum():
-            e += 1
-        word, fw = text[i:e], low[i:e]
-        ti = int(np.searchsorted(offs, i, side="right")) - 1
-        toks = [prompt[ti], prompt[ti - 1] if ti >= 1 else -1, prompt[ti - 2] if ti >= 2 else -1,
-                prompt[ti + 1] if ti + 1 < P else -1]
-        after = len(sp_pos) - int(seg_of[n])
-        same = np.flatnonzero(seg_of == seg_of[n])
-        k_in, n_seg = n - int(same[0]), len(same)
-        base = [float(word[:1].isupper()), float(word[:1].isdigit()), 0.0, 0.0, 0.0, 0.0,
-                float(k_in == 0), k_in / max(1, n_seg - 1), min(n_seg - 1 - k_in, 16) / 16]
-        onehot = [0.0] * (SPECIALS_AFTER + 1)
-        onehot[min(after, SPECIALS_AFTER)] = 1.0
-        pw = prev_word if k_in else ""
-        for lw in ((False, True) if word != fw else (False,)):
-            f = base + onehot
-            f[2] = float(lw)
-            rows.append(toks)
-            flags.append(f)
-            st_out.append(i)
-            lowered.append(lw)
-            words.append(fw)
-            prevs.append(pw)
-        prev_word = fw
-    out = PromptWords(text, st_out, lowered, words, prevs, np.asarray(rows, dtype=np.int64).reshape(-1, N_SLOTS),
-                      np.asarray(flags, dtype=np.float32).reshape(-1, len(FLAGS)))
-    if len(_PROMPTS) >= PROMPT_CACHE:
-        _PROMPTS.pop(next(iter(_PROMPTS)))
-    _PROMPTS[cache_key] = out
-    return out
-
-
-def candidates(context: Sequence[int], prompt_len: int, q: int, key: str, texts: Sequence[str],
-               special: str) -> Candidates:
-    """The prompt's candidate words (``prompt_words``) with the flags that read the reply so far (up to
-    the quote ``context[q]``) and the key whose value opens there."""
-    P = min(prompt_len, len(context))
-    pw = prompt_words(context[:P], texts, special)
-    reply = _fold("".join(texts[t] for t in context[P:q + 1]))
-    fkey = _fold(key)
-    parts = fkey.split("_") if fkey else []
-    flags = pw.flags.copy()
-    for n, (w, prev) in enumerate(zip(pw.words, pw.prev_words)):
-        flags[n, _DYNAMIC] = (float(bool(w) and (f'"{w}' in reply or f" {w}" in reply)),
-                              float(bool(parts) and (w == fkey or w in parts)),
-                              float(bool(parts) and bool(prev) and (prev == fkey or prev in parts)))
-    return Candidates(pw.text, pw.starts, pw.lowered, pw.tokens, flags)
-
-
-def continuation(c: Candidates, n: int, k: int, encode: Callable[[str], list[int]]) -> list[int]:
-    """Candidate ``n`` drafted (``hybrid.prompt_continuation``): the prompt's text from its start, in lower
-    case where offered so; the first ``k`` tokens."""
-    from ..serving.hybrid import prompt_continuation
-
-    return prompt_continuation(c.text[c.starts[n]:], k, encode, lower=c.lowered[n])
-
-
-class PointerNet(nn.Module):
-    """Scores the candidates of a batch of value starts, and "no copy" (index 0 of the output)."""
-
-    def __init__(self, cfg: PointerConfig):
-        super().__init__()
-        d, h = cfg.dim, cfg.hidden
-        self.proj = nn.Linear(cfg.embed_dim, d, bias=False)
-        self.cand = nn.Sequential(nn.Linear(d * (N_SLOTS + 2) + len(FLAGS), h), nn.ReLU(), nn.Linear(h, 1))
-        self.null = nn.Sequential(nn.Linear(d * 2, h), nn.ReLU(), nn.Linear(h, 1))
-        self.pad = nn.Parameter(torch.zeros(d))  # a missing neighbour token
-
-    def scores(self, table: torch.Tensor, tokens: torch.Tensor, flags: torch.Tensor, mask: torch.Tensor,
-               keys: torch.Tensor, quote: torch.Tensor) -> torch.Tensor:
-        """``table``: the projected embedding [V, d]; ``tokens`` [B, n, N_SLOTS] (-1: none); ``flags``
-        [B, n, F]; ``mask`` [B, n] (a real candidate); ``keys`` [B, m] the key's token ids (-1 padding);
-        ``quote`` [B] the opening quote's token. Returns [B, 1 + n] logits: "no copy", then the
-        candidates (-inf where masked)."""
-        B, n = tokens.shape[:2]
-        rows = torch.where((tokens >= 0)[..., None], table[tokens.clamp(min=0)], self.pad)
-        km = (keys >= 0).float()[..., None]
-        key_vec = (table[keys.clamp(min=0)] * km).sum(1) / km.sum(1).clamp(min=1)
-        ctx = torch.cat([key_vec, table[quote]], dim=1)
-        x = torch.cat([rows.reshape(B, n, -1), ctx[:, None].expand(B, n, -1), flags], dim=2)
-        cand = self.cand(x)[..., 0].masked_fill(~mask, float("-inf"))
-        return torch.cat([self.null(ctx), cand], dim=1)
-
-
-class Pointer:
-    """A trained pointer ready to score (``pick``): the net, and the target's embedding projected."""
-
-    def __init__(self, net: PointerNet, embed: torch.Tensor, cfg: PointerConfig):
-        self.net = net.eval()
-        self.cfg = cfg
-        with torch.no_grad():
-            self.table = net.proj(embed.float())
-        self._keys: dict[str, list[int]] = {}
-        self._memo: dict[tuple, tuple[Candidates, torch.Tensor]] = {}
-
-    @classmethod
-    def load(cls, pointer_dir: Path, model_dir: Path) -> "Pointer":
-        """The pointer in ``pointer_dir`` over the embedding of the model in ``model_dir`` (the served one)."""
-        from safetensors.torch import load_file
-
-        from .train import load_target_weights
-
-        pointer_dir = Path(pointer_dir)
-        if not (pointer_dir / "pointer.safetensors").is_file() or not (pointer_dir / "config.json").is_file():
-            raise FileNotFoundError(f"no pointer (pointer.safetensors, config.json) in {pointer_dir}: train one "
-                                    "with `cartspec draft pointer --out DIR`")
-        cfg = PointerConfig(**json.loads((pointer_dir / "config.json").read_text()))
-        net = PointerNet(cfg)
-        net.load_state_dict(load_file(str(pointer_dir / "pointer.safetensors")))
-        embed = load_target_weights(Path(model_dir))["embed"]
-        if embed.shape[1] != cfg.embed_dim:
-            raise ValueError(f"the pointer in {pointer_dir} was trained for a hidden size of {cfg.embed_dim}; "
-                             f"the embedding of {model_dir} has {embed.shape[1]}")
-        return cls(net, embed, cfg)
-
-    @torch.no_grad()
-    def probs(self, context: Sequence[int], prompt_len: int, texts: Sequence[str],
-              encode: Callable[[str], list[int]], special: str) -> tuple[Candidates, torch.Tensor]:
-        """At a value's opening quote (the context's last token): the candidates and the probabilities of
-        "no copy" (index 0) and of each candidate. Cached per context (a value's later positions ask again)."""
-        memo = tuple(context)
-        hit = self._memo.get(memo)
-        if hit is not None:
-            return hit
-        q = len(context) - 1
-        key = value_key(context, prompt_len, q, texts)
-        c = candidates(context, prompt_len, q, key, texts, special)
-        if not c.starts:
-            out = (c, torch.ones(1))
-        else:
-            if key not in self._keys:
-                self._keys[key] = [t for t in encode(key) if 0 <= t < len(self.table)] if key else []
-            ids = self._keys[key] or [-1]
-            s = self.net.scores(self.table, torch.from_numpy(c.tokens)[None], torch.from_numpy(c.flags)[None],
-                                torch.ones(1, len(c.starts), dtype=torch.bool), torch.tensor([ids]),
-                                torch.tensor([int(context[q])]))[0]
-            out = (c, s.softmax(0))
-        if len(self._memo) >= MEMO:
-            self._memo.pop(next(iter(self._memo)))
-        self._memo[memo] = out
-        return out
-
-    def pick(self, context: Sequence[int], prompt_len: int, k: int, texts: Sequence[str],
-             encode: Callable[[str], list[int]], special: str) -> list[int]:
-        """The draft at a value's opening quote (the context's last token): the best candidate's tokens,
-        or [] where "no copy" scores best or the best is less likely than ``min_p``."""
-        c, p = self.probs(context, prompt_len, texts, encode, special)
-        best = int(p.argmax())
-        if best == 0 or float(p[best]) < self.cfg.min_p:
-            return []
-        return continuation(c, best - 1, k, encode)
-
-    def no_copy(self, context: Sequence[int], prompt_len: int, texts: Sequence[str],
-                encode: Callable[[str], list[int]], special: str) -> float:
-        """The probability that the value opening at the context's last token copies no prompt word."""
-        return float(self.probs(context, prompt_len, texts, encode, special)[1][0])
-
-
-def save(net: PointerNet, cfg: PointerConfig, out: Path) -> Path:
-    from safetensors.torch import save_file
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, str(out / "pointer.safetensors"))
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
-    return out
-
+# Pointer and PointerConfig: its callers import them from here too
+from ..drafting.pointer import (FLAGS, N_SLOTS, Pointer, PointerConfig, PointerNet, candidates,  # noqa: F401
+                                continuation, save, value_key)
+from ..drafting.tokens import SPECIAL_TEXT, value_open
 
 # --- training -------------------------------------------------------------------------------------
 
@@ -308,9 +34,9 @@ class Example:
 
 
 def examples(sequences: Sequence[tuple[Sequence[int], int]], info: Any) -> list[Example]:
-    """One example per value start of every reply (``hybrid.value_open`` at the context's last token):
+    """One example per value start of every reply (``drafting.tokens.value_open`` at the context's last token):
     the candidates whose drafted first token is the reply's are positive, else "no copy"."""
-    from ..serving.hybrid import SPECIAL_TEXT, value_open
+
 
     out = []
     for toks, P in sequences:
@@ -353,7 +79,7 @@ def train_pointer(model_dir: Path, sequences: Sequence[tuple[Sequence[int], int]
                   log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train on ``sequences`` (prompt + reply token ids, prompt length), check on ``dev``, save to ``out``
     (``target``: what the config records of the model trained for)."""
-    from .train import load_target_weights
+    from ..model.weights import load_target_weights
 
     t0 = time.perf_counter()
     torch.manual_seed(seed)

@@ -197,13 +197,13 @@ def head_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamm
 def simulate_hybrid(preds: Sequence[torch.Tensor], fs: FeatureSet, gamma: int, cfg: Any,
                     classes: Sequence[Sequence[str]] | None = None, info: Any = None, pointer: Any = None,
                     probs: Sequence[torch.Tensor] | None = None) -> tuple[dict[str, Any], list[list[Step]]]:
-    """The hybrid drafter (``serving.hybrid``, config ``cfg``) replayed on greedy outputs: from
+    """The hybrid drafter (``drafting.rules``, config ``cfg``) replayed on greedy outputs: from
     chain start ``i`` the server's context is ``x[:i+2]`` (prompt + output up to the newest token)
     and the head's proposal is ``preds[s][i-(P-1)]``; ``hybrid.propose`` combines them, as in vLLM
     (``info``: ``hybrid.TokenInfo``, for the rules that read the tokens' text; ``pointer``: the trained
     pointer, for rule ``pointer``; ``probs``: the head's probability of each proposed token, for the gate,
     ``cfg.head_p``; None: no gate)."""
-    from ..serving.hybrid import propose
+    from ..drafting.rules import propose
 
     all_steps = []
     for s in range(fs.n_seqs):

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from ..serving.engine import compute_dtype
 from .features import FeatureSet
+from ..model.weights import load_target_weights  # noqa: F401  (its callers import it from here too)
 from .head import Eagle3Head, HeadConfig
 
 
@@ -98,21 +99,6 @@ def distributed() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def load_target_weights(target_dir: Path) -> dict[str, torch.Tensor]:
-    """The target's embedding, lm_head (tied -> the embedding) and final norm."""
-    from safetensors import safe_open
-
-    want = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head", "model.norm.weight": "norm"}
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(target_dir).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as fh:
-            for k in fh.keys():
-                if k in want:
-                    out[want[k]] = fh.get_tensor(k)
-    if "embed" not in out:
-        raise ValueError(f"no model.embed_tokens.weight in {target_dir}")
-    out.setdefault("lm_head", out["embed"])
-    return out
 
 
 def select_draft_vocab(response_tokens: Sequence[int] | Counter, size: int, vocab_size: int,

@@ -284,7 +284,7 @@ def check_spec_head(spec: Any, force: bool = False, warn: Callable[[str], None] 
     except (ModelNotFound, FileNotFoundError):
         return None
     found = check_head(head_dir, model_dir, force=force, warn=warn)
-    cfg = sp.hybrid_config() if sp.method == "hybrid" else None
+    cfg = sp.hybrid_config(str(model_dir)) if sp.method == "hybrid" else None
     if cfg is not None and cfg.rule == "pointer":
         check_head(Path(cfg.pointer), model_dir, force=force, warn=warn, what="pointer")
     return found

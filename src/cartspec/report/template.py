@@ -22,7 +22,8 @@ figcaption{color:#555;font-size:12.5px}.muted{color:#777;font-size:12px}
 {% if summary.run.engine.hardware %}{{ summary.run.engine.hardware }}, {% endif %}{% if summary.run.dtypes %}dtype {{ summary.run.dtypes|join(", ") }}, {% endif %}
 {{ summary.run.machine.memory_gib }} GiB · {{ summary.run.engine.vllm or "" }} · torch {{ summary.run.engine.torch or "?" }}{% if summary.run.engine.cartspec_commit and summary.run.engine.cartspec_commit != "-" %} · cartspec {{ summary.run.engine.cartspec_commit }}{% endif %}
 · sweep time {{ "%.1f"|format(summary.run.seconds / 60) }} min over {{ summary.run.invocations|length }} invocation(s)
-· {% if summary.run.interleave > 1 %}deployments interleaved: up to {{ summary.run.interleave }} servers up at once, each point measured on every one in turn{% if summary.run.rounds > 1 %}, in {{ summary.run.rounds }} slices taking turns{% if summary.run.restart_rounds %}, every server started again between rounds in rotated order{% endif %}{% endif %}{% else %}deployments measured one after another{% endif %}</p>
+· {% if summary.run.interleave > 1 %}deployments interleaved: up to {{ summary.run.interleave }} servers up at once, each point measured on every one in turn{% if summary.run.rounds > 1 %}, in {{ summary.run.rounds }} slices taking turns{% if summary.run.restart_rounds %}, every server started again between rounds in rotated order{% endif %}{% endif %}{% else %}deployments measured one after another{% endif %}{% if summary.run.vllm_patches %}
+· cartspec's patches in vLLM: {% for name, status in summary.run.vllm_patches.items() %}{{ name }} {{ status }}{% if not loop.last %}, {% endif %}{% endfor %}{% endif %}</p>
 
 <h2>Verdict</h2>
 <p class="verdict" id="verdict">{{ verdict }}</p>

@@ -51,5 +51,20 @@ def export(
         console.print(f"  {f}")
 
 
+def doctor(as_json: bool = typer.Option(False, "--json", help="print the diagnosis as JSON")) -> None:
+    """What this machine serves with: the hardware, the dtype pick, the vLLM version, and every patch of
+    cartspec's vLLM plugin (needed here or skipped, and whether the vLLM names it touches hold). Exits 1 when
+    vLLM is missing, does not load the plugin, or a patch's contract is broken."""
+    import json
+
+    from .doctor import diagnose, render
+
+    d = diagnose()
+    print(json.dumps(d.to_dict(), indent=1) if as_json else render(d))
+    if not d.ok:
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
     app.command("export")(export)
+    app.command("doctor")(doctor)

@@ -17,12 +17,12 @@ address (0.0.0.0:8000) and, in the containers, the paths of the model and head d
 
 Plain vLLM lacks what cartspec adds to the vLLMs it starts, so:
 
-* a **hybrid** spec (``method: hybrid``) is refused. The hybrid drafter is cartspec's patch of vLLM's drafting
-  loop (``serving/hybrid.py``), loaded by the import hook cartspec puts on its vLLMs' PYTHONPATH; neither
-  ``vllm serve`` nor vLLM's images have it. Serve it with ``cartspec serve --spec`` where cartspec is
+* a **hybrid** spec (``method: hybrid``) is refused. The hybrid drafter is a patch of vLLM's drafting loop in
+  cartspec's vLLM plugin (``vllm_plugin/hybrid.py``), which vLLM loads only where cartspec is installed; vLLM's
+  images do not have it. Serve it with ``cartspec serve --spec`` where cartspec is
   installed, or export its head alone (the same spec with ``method: eagle3``);
 * an **adaptive** spec whose schedule is not tuned yet is refused: ``cartspec tune`` writes one with it;
-* on **CPU**, cartspec's fixes of vLLM CPU bugs (``serving/vllm_fixes.py``) are absent from a plain vLLM:
+* on **CPU**, cartspec's fixes of vLLM CPU bugs (``vllm_plugin``) are absent from a plain vLLM:
   the files name the ones that matter for the spec (sampled speculation, a schedule's γ=0 steps).
 """
 
@@ -51,9 +51,9 @@ CONTAINER_DRAFT = "/models/draft"
 HELM_DATA = "/data/cartspec"  # the production stack's chart mounts the model's PVC at /data
 FILES = ("vllm-serve.sh", "docker-compose.yaml", "helm-values.yaml", "export.json")
 
-HYBRID_REFUSED = ("the hybrid drafter (method hybrid) is cartspec's patch of vLLM's drafting loop "
-                  "(serving/hybrid.py), loaded by the import hook cartspec puts on the PYTHONPATH of the vLLMs it "
-                  "starts; plain `vllm serve` and vLLM's images do not have it. Serve it with `cartspec serve "
+HYBRID_REFUSED = ("the hybrid drafter (method hybrid) is a patch of vLLM's drafting loop in cartspec's vLLM "
+                  "plugin (vllm_plugin/hybrid.py), which vLLM loads only where cartspec is installed; vLLM's "
+                  "images do not have it. Serve it with `cartspec serve "
                   "--spec SPEC` where cartspec is installed, or export its head alone: the same spec with "
                   "`method: eagle3` (and no hybrid_* settings)")
 
@@ -172,11 +172,11 @@ def _cpu_caveats(spec: DeploymentSpec) -> list[str]:
     if sp.method != "none":
         out.append("vLLM's CPU build that cartspec serves with corrupts sampled (temperature > 0) speculative "
                    "decoding and can lose a seeded sampled request's engine; cartspec's vLLMs load fixes for both "
-                   "(serving/vllm_fixes.py, upstream vllm-project/vllm#55006): check that the image's vLLM has "
+                   "(cartspec's vLLM plugin, upstream vllm-project/vllm#55006): check that the image's vLLM has "
                    "them, or send greedy requests")
     if sp.schedule and any(k == 0 for *_, k in sp.schedule):
         out.append("at the schedule's γ=0 batch sizes plain vLLM still runs the EAGLE drafter's forward pass "
-                   "(cartspec skips it: serving/idle_drafter.py), so those steps run slower than measured")
+                   "(cartspec skips it: vllm_plugin/idle_drafter.py), so those steps run slower than measured")
     return out
 
 

@@ -32,7 +32,6 @@ import httpx
 from . import process
 from .engine import engine_env, engine_versions, has_cuda, kv_cache_gib, resolve_dtype
 from .spec import DeploymentSpec
-from .vllm_fixes import SITE_DIR
 
 class DeploymentError(RuntimeError):
     """A deployment that could not start or died; ``log_tail`` says why."""
@@ -100,8 +99,15 @@ class ServerInfo:
     log_path: str
 
 
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+
 class VllmServer:
-    """Context manager owning one vLLM OpenAI-compatible server."""
+    """Context manager owning one vLLM OpenAI-compatible server.
+
+    ``patches`` (after ``start``): what cartspec's vLLM plugin reported doing in it (``vllm_plugin``)."""
+
+    patches: dict[str, Any] = {}
 
     def __init__(self, spec: DeploymentSpec, log_dir: str | Path = "runs/logs", port: int | None = None,
                  model_dir: str | Path | None = None, head_dir: str | Path | None = None):
@@ -148,15 +154,18 @@ class VllmServer:
 
     def environment(self) -> dict[str, str]:
         """The vLLM process's environment: ours, the engine's defaults, the speculation's and the spec's."""
-        env = {**os.environ, **engine_env(), **self.spec.speculative.server_env(), **self.spec.env}
+        model, head = self._resolve()
+        env = {**os.environ, **engine_env(), **self.spec.speculative.server_env(str(model)), **self.spec.env}
         if self.spec.kv_cache_fit and not has_cuda() and "VLLM_CPU_KVCACHE_SPACE" not in self.spec.env:
-            model, head = self._resolve()
             env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib(model, resolve_dtype(self.spec.dtype),
                                                              self.spec.max_num_seqs, self.spec.max_model_len, head))
         if self.spec.speculative.method != "hybrid":
             env.pop("CARTSPEC_HYBRID", None)  # a hybrid setting left in our environment must not change this one
-        # Our fixes for the engine's own bugs load in every vLLM process (vllm_fixes.py).
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SITE_DIR), env.get("PYTHONPATH", "")) if p)
+        # cartspec's vLLM plugin (vllm_plugin) loads in every vLLM process through vLLM's entry point; a user's
+        # VLLM_PLUGINS list would leave it out
+        plugins = env.get("VLLM_PLUGINS")
+        if plugins is not None and "cartspec" not in [p.strip() for p in plugins.split(",")]:
+            env["VLLM_PLUGINS"] = ",".join(p for p in (plugins.strip(), "cartspec") if p)
         return env
 
     # --- lifecycle --------------------------------------------------------
@@ -180,10 +189,29 @@ class VllmServer:
         try:
             self._start_watchdog(self.proc.pid)
             self._wait_healthy(self.spec.start_timeout_s)
+            self.patches = self._patch_report(VLLM_MODULE in cmd)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _patch_report(self, real_vllm: bool) -> dict[str, Any]:
+        """What cartspec's vLLM plugin reported in the log (``vllm_plugin.read_report``): patch name -> its
+        status. A real vLLM that reported nothing ran without the plugin: refused, with what to do."""
+        from ..vllm_plugin import read_report
+
+        try:
+            report = read_report(self.log_path.read_text(errors="replace"))
+        except OSError:
+            report = {}
+        if real_vllm and not report:
+            raise DeploymentError(
+                "cartspec's vLLM plugin did not load in this vLLM (its log has no 'cartspec patch:' line), so it "
+                "would run without cartspec's fixes and drafters: install cartspec into the Python that runs vLLM "
+                f"({sys.executable}) with `pip install -e .` (scripts/install.sh does) so that vLLM finds its "
+                "entry point (vllm.general_plugins), and leave cartspec in VLLM_PLUGINS if you set it",
+                tail(self.log_path))
+        return report
 
     def _start_watchdog(self, pgid: int) -> None:
         self._watchdog, self._watch_fd = process.start_watchdog(pgid)
@@ -243,8 +271,18 @@ class VllmServer:
         model, head = self._resolve()
         return ServerInfo(url=self.url, model_name=self.spec.name, spec=self.spec.model_dump(mode="json"),
                           versions={**engine_versions(), "model_dir": str(model), "head_dir": head or "",
-                                    "dtype": resolve_dtype(self.spec.dtype)},
+                                    "dtype": resolve_dtype(self.spec.dtype), **self._drafting(str(model))},
                           log_path=str(self.log_path))
+
+    def _drafting(self, model: str) -> dict[str, str]:
+        """The patches the plugin reported (``vllm_patches``) and the hybrid's resolved settings (``hybrid``)."""
+        from ..vllm_plugin import summary
+
+        out = {"vllm_patches": summary(self.patches)} if self.patches else {}
+        cfg = self.spec.speculative.hybrid_config(model)
+        if cfg is not None:
+            out["hybrid"] = cfg.to_env()
+        return out
 
     def __enter__(self) -> "VllmServer":
         return self.start()

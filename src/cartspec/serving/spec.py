@@ -35,7 +35,7 @@ class Speculative(BaseModel):
     prompt_lookup_min: int | None = Field(None, ge=1)
     prompt_lookup_max: int | None = Field(None, ge=1)
     hybrid_rule: Literal["lookup", "agree", "head", "anchor", "text", "pointer"] | None = Field(
-        None, description="hybrid: how the lookup and the head's draft combine per position (serving/hybrid.py)")
+        None, description="hybrid: how the lookup and the head's draft combine per position (drafting/rules)")
     hybrid_pointer: str | None = Field(
         None, description="hybrid rule pointer: the trained pointer, 'commerce' (bundled, the default) or a "
                           "directory `cartspec draft pointer` wrote")
@@ -126,13 +126,14 @@ class Speculative(BaseModel):
         return cfg
 
 
-    def hybrid_config(self):
-        """The hybrid drafter's settings (``serving.hybrid.HybridConfig``), or None for other methods."""
+    def hybrid_config(self, model_dir: str | None = None):
+        """The hybrid drafter's settings (``drafting.config.HybridConfig``), or None for other methods. Without
+        a ``hybrid_rule``, the default for the target in ``model_dir`` (``drafting.config.default_rule``)."""
         if self.method != "hybrid":
             return None
-        from .hybrid import DEFAULT, HybridConfig
+        from ..drafting.config import DEFAULT, HybridConfig, default_rule
 
-        rule = self.hybrid_rule or DEFAULT.rule
+        rule = self.hybrid_rule or default_rule(model_dir, self.hybrid_pointer)
         pointer = ""
         if rule == "pointer":
             from ..model.registry import resolve_pointer
@@ -142,13 +143,13 @@ class Speculative(BaseModel):
                             rule=rule, scope=self.lookup_scope or DEFAULT.scope, pointer=pointer,
                             head_p=self.hybrid_head_p)
 
-    def server_env(self) -> dict[str, str]:
+    def server_env(self, model_dir: str | None = None) -> dict[str, str]:
         """Environment the vLLM server needs for this method: the hybrid's settings (vLLM's own
-        speculative config rejects keys it does not know)."""
-        cfg = self.hybrid_config()
+        speculative config rejects keys it does not know); ``model_dir``: the target's, for its default rule."""
+        cfg = self.hybrid_config(model_dir)
         if cfg is None:
             return {}
-        from .hybrid import ENV
+        from ..drafting.config import ENV
 
         return {ENV: cfg.to_env()}
 

@@ -27,14 +27,15 @@ never reach this function) and T > 0 replies keep their distribution; a seeded
 request stays reproducible, but its draws are not vLLM's own, so its sampled
 reply differs from what stock vLLM gives for the same seed.
 
-Applied by the import hook in ``vllm_fixes`` to every vLLM server cartspec starts.
+Patch ``recovered_noise`` of cartspec's vLLM plugin (``vllm_plugin``), in every vLLM process.
 ``CARTSPEC_RECOVERED_NOISE=vllm`` keeps vLLM's own function (for A/B runs).
 """
 
 from __future__ import annotations
 
 import functools
-import sys
+
+from .registry import Patch, Target
 
 MODULE = "vllm.v1.sample.rejection_sampler"
 ENV = "CARTSPEC_RECOVERED_NOISE"
@@ -43,7 +44,7 @@ MODES = ("drafted", "vllm")
 
 def mode() -> str:
     """``drafted`` (the default: noise for drafted rows only) or ``vllm`` (vLLM's own), from the environment."""
-    from .vllm_fixes import env_mode
+    from . import env_mode
 
     return env_mode(ENV, MODES)
 
@@ -70,11 +71,8 @@ def exponential_noise(num_draft_tokens, vocab_size: int, generators: dict, dtype
     return q.clamp_(min=torch.finfo(dtype).tiny).log_().neg_()
 
 
-def patch_module(mod) -> bool:
-    """Swap ``sample_recovered_tokens`` for the CPU version above; True if swapped."""
-    if (getattr(mod, "_cartspec_recovered_noise", False) or not hasattr(mod, "sample_recovered_tokens")
-            or mode() == "vllm"):
-        return False
+def apply(mod) -> None:
+    """Swap ``sample_recovered_tokens`` for the CPU version above."""
     import torch  # imported once here, not on every verify step
 
     original = mod.sample_recovered_tokens
@@ -94,6 +92,17 @@ def patch_module(mod) -> bool:
         return recovered
 
     mod.sample_recovered_tokens = sample_recovered_tokens
-    mod._cartspec_recovered_noise = True
-    print("cartspec: recovered-token noise only for drafted rows (recovered_noise.py)", file=sys.stderr)
-    return True
+
+
+def needed() -> str | None:
+    return f"{ENV}=vllm" if mode() == "vllm" else None
+
+
+PATCH = Patch(
+    name="recovered_noise", module=MODULE,
+    what="recovered-token noise drawn only for rows with drafts, on CPU",
+    targets=(Target(MODULE, "sample_recovered_tokens",
+                    ("max_spec_len", "num_draft_tokens", "cu_num_draft_tokens", "draft_token_ids", "draft_probs",
+                     "target_probs", "sampling_metadata", "device", "use_fp64_gumbel")),
+             Target(MODULE, "_sample_recovered_tokens")),
+    apply=apply, needed=needed)

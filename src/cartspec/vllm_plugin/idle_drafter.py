@@ -16,8 +16,8 @@ those steps, so a request that later drafts again (the batch shrank below the
 γ = 0 range) drafts over stale entries for them and is accepted less until it
 ends; requests that start and end under load never draft at all.
 
-Applied by the import hook in ``vllm_fixes`` to every vLLM server cartspec
-starts, for EAGLE-family methods only, and only where the runner copies sampled
+Patch ``idle_drafter`` of cartspec's vLLM plugin (``vllm_plugin``), in every vLLM
+process, for EAGLE-family methods only, and only where the runner copies sampled
 token counts synchronously (vLLM's CPU runner; with CUDA async scheduling the
 drafter's bookkeeping of the next tokens is needed, so the runner is left as
 is). ``CARTSPEC_DRAFTER_AT_K0=run`` keeps vLLM's behaviour (for A/B runs).
@@ -26,15 +26,17 @@ is). ``CARTSPEC_DRAFTER_AT_K0=run`` keeps vLLM's behaviour (for A/B runs).
 from __future__ import annotations
 
 import functools
-import sys
 
+from .registry import Patch, Target
+
+MODULE = "vllm.v1.worker.gpu_model_runner"
 ENV = "CARTSPEC_DRAFTER_AT_K0"
 MODES = ("skip", "run")
 
 
 def mode() -> str:
     """``skip`` (the default) or ``run`` (vLLM's own behaviour), from ``CARTSPEC_DRAFTER_AT_K0``."""
-    from .vllm_fixes import env_mode
+    from . import env_mode
 
     return env_mode(ENV, MODES)
 
@@ -57,10 +59,8 @@ def empty_drafts(runner):
     return torch.empty(runner.input_batch.num_reqs, 0, dtype=torch.int64, device=runner.device)
 
 
-def patch_runner(mod) -> bool:
-    """Wrap ``GPUModelRunner.propose_draft_token_ids`` so γ = 0 steps skip the drafter; True if wrapped."""
-    if getattr(mod, "_cartspec_idle_drafter", False) or not hasattr(mod, "GPUModelRunner") or mode() == "run":
-        return False
+def apply(mod) -> None:
+    """Wrap ``GPUModelRunner.propose_draft_token_ids`` so γ = 0 steps skip the drafter."""
     runner_cls = mod.GPUModelRunner
     original = runner_cls.propose_draft_token_ids
 
@@ -73,6 +73,13 @@ def patch_runner(mod) -> bool:
         return original(self, scheduler_output, *args, **kwargs)
 
     runner_cls.propose_draft_token_ids = propose_draft_token_ids
-    mod._cartspec_idle_drafter = True
-    print("cartspec: γ=0 steps skip the EAGLE drafter (idle_drafter.py)", file=sys.stderr)
-    return True
+
+
+def needed() -> str | None:
+    return f"{ENV}=run" if mode() == "run" else None
+
+
+PATCH = Patch(
+    name="idle_drafter", module=MODULE, what="steps a schedule gives γ = 0 skip the EAGLE drafter's forward pass",
+    targets=(Target(MODULE, "GPUModelRunner.propose_draft_token_ids", ("self", "scheduler_output")),),
+    apply=apply, needed=needed)

@@ -1,0 +1,17 @@
+"""Drafting rules: plain numpy/torch code that turns a head's draft and the prompt into the tokens verified.
+
+Shared by the simulator (``draft.simulate``), the acceptance measurement and the vLLM plugin
+(``vllm_plugin.hybrid``), so that what is measured offline is what the engine drafts.
+
+* ``config``: ``HybridConfig``, the one default (``DEFAULT``) and the rule a target gets (``default_rule``).
+* ``rules``: the ``Rule`` interface, one file per rule, and ``propose`` (a rule, then the gate).
+* ``lookup``: vLLM's n-gram lookup. ``copying``: where a value's copy comes from in the prompt.
+* ``tokens``: what the copy rules read of each token's text. ``gate``: the head's gate.
+* ``pointer``: the trained pointer (which word of the prompt a value copies); trained by ``draft.pointer``.
+"""
+
+from .config import DEFAULT, ENV, HEAD_P, NEEDS_TOKENS, RULES, HybridConfig, default_rule  # noqa: F401
+from .gate import gate  # noqa: F401
+from .lookup import lookup  # noqa: F401
+from .rules import Rule, Step, propose  # noqa: F401
+from .tokens import SPECIAL_TEXT, TokenInfo, value_open, value_start  # noqa: F401

@@ -1,0 +1,83 @@
+"""The hybrid's settings: which rule combines the head's draft with the copies, and its knobs.
+
+One default everywhere: ``HybridConfig()`` is what ``cartspec serve`` deploys, what ``cartspec draft
+acceptance --method hybrid`` and the study's ``hybrid:HEAD:γ`` measure, and every acceptance report and
+study point records the rule it ran (``rule``). The default rule is ``pointer``; a target for which no
+pointer was trained gets rule ``head`` instead (``default_rule``): the other copy rules drafted below the head
+alone on requests no generator wrote (docs/drafting.md, "Hybrid drafts").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ENV = "CARTSPEC_HYBRID"
+RULES = ("lookup", "agree", "head", "anchor", "text", "pointer")
+NEEDS_TOKENS = ("anchor", "text", "pointer")  # rules that read the tokens' text (``TokenInfo``)
+SCOPES = ("prompt", "context")
+# ``HybridConfig.head_p`` where it is not given: chosen for rule ``pointer`` in the simulator on the dev split's
+# greedy replies (module doc); the other rules keep the drafts they were measured with
+HEAD_P = {"pointer": 0.9}
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    """The hybrid's settings (module doc); ``pointer`` "" is the pointer trained for the served target."""
+
+    n_min: int = 3
+    n_max: int = 4
+    rule: str = "pointer"
+    scope: str = "prompt"
+    pointer: str = ""  # rule ``pointer``: the trained pointer's directory ("" = the bundled one)
+    # the head's gate (``gate``): where a copy first differs from the head's draft and the head's probability
+    # of its own token there is at least this, the head's draft stands from there; 0 = off; None = the
+    # rule's default (``HEAD_P``)
+    head_p: float | None = None
+
+    def __post_init__(self):
+        if self.rule not in RULES:
+            raise ValueError(f"hybrid rule must be one of {RULES}, got {self.rule!r}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"hybrid scope must be one of {SCOPES}, got {self.scope!r}")
+        if not 1 <= self.n_min <= self.n_max:
+            raise ValueError(f"need 1 <= n_min <= n_max, got n_min={self.n_min}, n_max={self.n_max}")
+        if self.head_p is None:
+            object.__setattr__(self, "head_p", HEAD_P.get(self.rule, 0.0))
+        if not 0.0 <= self.head_p <= 1.0:
+            raise ValueError(f"hybrid head_p must be in [0, 1] (0 = off), got {self.head_p}")
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_env(cls, value: str) -> "HybridConfig":
+        try:
+            d = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{ENV} is not JSON: {value!r}") from exc
+        if not isinstance(d, dict) or set(d) - {"n_min", "n_max", "rule", "scope", "pointer", "head_p"}:
+            raise ValueError(f"{ENV} must be an object with n_min, n_max, rule, scope, pointer, head_p: {value!r}")
+        return cls(**d)
+
+
+DEFAULT = HybridConfig()
+
+
+NO_POINTER = ("no pointer was trained for this target, so the hybrid drafts as the head alone (rule head): "
+              "the copy rules without a pointer drafted below the head alone on hand-written requests; "
+              "train one with `cartspec draft pointer --target MODEL`")
+
+
+def default_rule(model_dir: Path | str | None, pointer: str | None = None) -> str:
+    """The rule a hybrid runs where none is given: ``DEFAULT.rule`` (``pointer``) where a pointer is given or
+    the bundled one was trained for the target in ``model_dir``, else ``head`` (``NO_POINTER`` says why).
+    ``serve``, ``draft acceptance`` and the study's deployments all resolve the rule here."""
+    if pointer:
+        return DEFAULT.rule
+    if model_dir is None:
+        return DEFAULT.rule
+    from ..model.registry import matching_bundled_pointer
+
+    return DEFAULT.rule if matching_bundled_pointer(Path(model_dir)) else "head"

@@ -1,0 +1,102 @@
+"""Where the copy rules find what a reply copies: the prompt's continuation after a word or a value's text.
+
+``anchor_lookup`` (rule ``anchor``, and the first step of ``text`` and ``pointer``): a value's first token
+looked up alone in the prompt, spaced or not. ``text_lookup`` (rules ``text`` and ``pointer``): a value's
+text so far found in the prompt's text. Both are cut where the head closes the value (``cut_at_close``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .tokens import CONT_CHARS, MIN_VALUE_CHARS, SPECIAL_TEXT, TokenInfo, fold, value_open, value_start
+
+
+def text_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo) -> list[int]:
+    """The ``text`` rule's extra step (module doc): inside a reply's string value, the prompt's text after
+    the value's text so far (found at a word start, any case), re-encoded, up to ``k`` tokens; [] where
+    the context is not inside a value or its text is not in the prompt.
+
+    Cost per call (the runner calls it per request and step where nothing else matched): a walk back of
+    at most ``VALUE_TOKENS`` tokens to the newest quote, which ends there outside a value; inside one, a
+    join and a search of the prompt's text (linear in the prompt, in C) and one ``encode`` of about
+    ``CONT_CHARS * k`` characters."""
+    texts = info.texts
+    q = value_open(context, prompt_len, info)
+    if q < 0:
+        return []
+    value = texts[context[q]].rsplit('"', 1)[1] + "".join([texts[t] for t in context[q + 1:]])
+    # At least 2 characters: the value's first token is often a whole word (the anchor's token search has
+    # looked for it), and when it is 1 character long the prompt's latest word with that initial is a
+    # guess that would displace a head that knows the value (an enum, a size) more often than copy it.
+    # (SmolLM2 writes "navy" as "n" + "avy": such a value is helped from its second token on only.)
+    # A token that does not decode alone (a byte of a multi-byte character, U+FFFD) matches nothing real.
+    if (len(value) < MIN_VALUE_CHARS or not any(c.isalnum() for c in value) or "\ufffd" in value
+            or SPECIAL_TEXT in value):
+        return []
+    P = min(prompt_len, len(context))
+    text = "".join([texts[t] for t in context[:P]])
+    low, needle = fold(text), fold(value)
+    # The latest occurrence at a word start, not the earliest (as the n-gram lookup and the anchor's token
+    # search take): the reply extracts the request it answers, the prompt's last message, while earlier
+    # text is the system prompt ("Extract the shopper's product search ...": a value starting "pro" or
+    # "se" would continue from there), earlier turns and earlier replies. A word right after a special
+    # token is a chat template's role name ("<|im_start|>user"), written by no one: it does not count.
+    p = low.rfind(needle)
+    while p > 0 and (low[p - 1].isalnum() or low[p - 1] == SPECIAL_TEXT):
+        p = low.rfind(needle, 0, p + len(needle) - 1)
+    if p < 0:
+        return []
+    end = p + len(needle)
+    # the reply writes the shopper's word in lower case ("nike" for "Nike"): so on
+    return prompt_continuation(text[end:], k, info.encode, lower=value == value.lower() and text[p:end] != value)
+
+
+def prompt_continuation(cont: str, k: int, encode: Any, lower: bool = False) -> list[int]:
+    """The prompt's text ``cont`` drafted: up to the prompt turn's end and about ``CONT_CHARS * k``
+    characters, in lower case if ``lower``, re-encoded; its first ``k`` tokens ([] where nothing is left).
+    Shared by the ``text`` rule and the pointer (``draft.pointer.continuation``)."""
+    stop = len(cont)
+    for mark in (SPECIAL_TEXT, "\ufffd"):  # the prompt's turn ends / a character that did not decode alone
+        i = cont.find(mark, 0, stop)
+        if i >= 0:
+            stop = i
+    if stop > CONT_CHARS * k:  # enough for k tokens, cut before a space: the tokens before it are unchanged
+        sp = cont.find(" ", CONT_CHARS * k, stop)
+        if sp >= 0:
+            stop = sp
+    cont = cont[:stop]
+    if not cont:
+        return []
+    return [int(i) for i in encode(cont.lower() if lower else cont)[:k]]
+
+
+def anchor_lookup(head: Sequence[int], context: Sequence[int], prompt_len: int, look: Sequence[int],
+                  info: TokenInfo, text: bool = False) -> list[int]:
+    """The ``anchor`` rule's lookup tokens (module doc): ``look`` (the n-gram lookup's) dropped at a value's
+    start where it disagrees with the head, else, where there is none and the context's last token starts a
+    value, the prompt's continuation after that word (spaced or not); cut where the head closes the value.
+    ``text`` (the ``text`` rule): where there is still none, ``text_lookup``'s, cut the same way."""
+    look = list(look)
+    if look and look[0] != head[0] and info.opens[context[-1]]:
+        look = []  # a value's first token: the lookup would copy an earlier turn's value, the head knows better
+    if not look:
+        t = context[-1]
+        if info.content[t] and value_start(context, prompt_len, info):
+            cands = {t, int(info.twin[t])} - {-1}
+            for q in range(min(prompt_len, len(context)) - 1):
+                if context[q] in cands:
+                    look = list(context[q + 1:min(prompt_len, q + 1 + len(head))])
+                    break
+    if not look and text:
+        look = text_lookup(context, prompt_len, len(head), info)
+    return cut_at_close(look, head, info)
+
+
+def cut_at_close(look: Sequence[int], head: Sequence[int], info: TokenInfo) -> list[int]:
+    """``look`` up to the first position where it differs from ``head`` and the head's token is JSON
+    structure: the head closes the value (or the array) there, while the prompt's sentence goes on."""
+    for j in range(min(len(look), len(head))):
+        if look[j] != head[j] and info.structure[head[j]]:
+            return list(look[:j])
+    return list(look)

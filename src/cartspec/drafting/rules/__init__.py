@@ -1,0 +1,111 @@
+"""The hybrid's rules: how the head's draft and the copies of the prompt combine, one file per rule.
+
+Every rule is a ``Rule``: ``draft(step)`` takes one request's verify step (``Step``: the head's ``k`` draft
+tokens, the context, the prompt's length, the tokens' text and the pointer where the rule needs them) and
+returns the ``k`` tokens to verify. ``propose`` runs the configured rule, then the head's gate
+(``drafting.gate``). The simulator (``draft.simulate``) and the vLLM plugin (``vllm_plugin.hybrid``) both
+call ``propose``, so the two make the same choice.
+
+The rules, each extending the one before where it lost a token class (the measurements that chose and
+retired them: docs/drafting.md and docs/experiments.md):
+
+* ``head``: the head's draft alone (the hybrid then equals EAGLE-3; the fallback where no pointer exists).
+* ``lookup``: vLLM's n-gram lookup in the prompt overrides the head where it matches.
+* ``agree``: ``lookup``, but the head's draft stays whole where the lookup's first token is the head's.
+* ``anchor``: ``lookup`` plus a value's first token looked up alone (``copying.anchor_lookup``).
+* ``text``: ``anchor`` plus the value's text found in the prompt's text (``copying.text_lookup``).
+* ``pointer`` (the default): ``text`` plus a trained pointer that picks which word a value copies.
+
+``lookup``, ``agree``, ``anchor`` and ``text`` are kept as baselines of the tests and the simulator; none of
+them drafted above the head alone on hand-written requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol, Sequence
+
+from ..config import HybridConfig
+from ..gate import gate as head_gate
+from ..lookup import lookup as ngram_lookup
+from ..tokens import TokenInfo
+
+
+@dataclass(frozen=True)
+class Step:
+    """One request at one verify step: what every rule reads."""
+
+    head: list[int]  # the head's k draft tokens
+    context: Sequence[int]  # the prompt and the reply so far
+    prompt_len: int
+    cfg: HybridConfig
+    info: TokenInfo | None = None  # the tokens' text (rules that ``needs_tokens``)
+    pointer: Any = None  # the trained pointer (``drafting.pointer.Pointer``; rule ``pointer``)
+
+    def ngram(self) -> list[int]:
+        """vLLM's n-gram lookup on the context (in the prompt only with scope ``prompt``), ``k`` tokens at most."""
+        c = self.cfg
+        return ngram_lookup(self.context, len(self.head), c.n_min, c.n_max,
+                      limit=self.prompt_len if c.scope == "prompt" else None)
+
+
+class Rule(Protocol):
+    """A hybrid rule: ``draft`` returns the ``k`` tokens verified for one request's step."""
+
+    name: ClassVar[str]
+    needs_tokens: ClassVar[bool]  # reads ``Step.info`` (the tokens' text)
+    needs_text: ClassVar[bool]  # reads ``Step.info.texts`` and ``Step.info.encode``
+    needs_pointer: ClassVar[bool]
+
+    def draft(self, step: Step) -> list[int]: ...
+
+
+def overlay(head: Sequence[int], look: Sequence[int]) -> list[int]:
+    """``look`` over the first positions of ``head``, the head's tokens after it: k tokens."""
+    head = list(head)
+    look = list(look)[:len(head)]
+    return look + head[len(look):]
+
+
+def _registry() -> dict[str, Rule]:
+    from .agree import Agree
+    from .anchor import Anchor
+    from .head import Head
+    from .lookup import Lookup
+    from .pointer import PointerRule
+    from .text import Text
+
+    return {r.name: r for r in (Lookup(), Agree(), Head(), Anchor(), Text(), PointerRule())}
+
+
+RULES: dict[str, Rule] = _registry()
+
+
+def check(step: Step, rule: Rule) -> None:
+    """Refuse a step that lacks what the rule reads (a ValueError naming it)."""
+    if rule.needs_tokens and step.info is None:
+        raise ValueError(f"hybrid rule {rule.name!r} needs the tokens' text (TokenInfo)")
+    if rule.needs_text and (step.info.texts is None or step.info.encode is None):
+        raise ValueError(f"hybrid rule {rule.name!r} needs the tokens' texts and the tokenizer's encode "
+                         "(TokenInfo.from_tokenizer, or from_texts with encode)")
+    if rule.needs_pointer and step.pointer is None:
+        raise ValueError(f"hybrid rule {rule.name!r} needs the trained pointer (drafting.pointer.Pointer)")
+
+
+def propose(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
+            info: TokenInfo | None = None, pointer: Any = None, conf: Any = None) -> list[int]:
+    """One request's hybrid draft: ``cfg.rule``'s draft, then the head's ``gate`` (``conf``: the head's
+    probability of each of its tokens, a sequence or a mapping from positions; None: no gate)."""
+    step = Step(list(head), context, prompt_len, cfg, info, pointer)
+    return head_gate(draft(step), step.head, conf, cfg.head_p)
+
+
+def draft(step: Step) -> list[int]:
+    """``step.cfg.rule``'s draft, before the gate."""
+    rule = RULES.get(step.cfg.rule)
+    if rule is None:
+        raise ValueError(f"unknown hybrid rule {step.cfg.rule!r}; choose from {tuple(RULES)}")
+    if not step.head:
+        return []
+    check(step, rule)
+    return rule.draft(step)

