@@ -55,6 +55,10 @@ def test_default_spec_serves_the_head_alone_for_a_model_no_pointer_was_trained_f
     # the hybrid's default rule there is the head alone: served as the head, and the user is told why
     assert spec.speculative.method == "eagle3" and spec.speculative.hybrid_rule is None
     assert any("no pointer was trained for this target" in m and "cartspec draft pointer" in m for m in said)
+    # with the pointer trained for it (serve --pointer DIR), the hybrid drafts with rule pointer
+    spec = default_spec(str(tiny_llama_dir), str(head), 3, enforce_eager=False, pointer=str(tmp_path / "ptr"))
+    sp = spec.speculative
+    assert (sp.method, sp.hybrid_rule, sp.hybrid_pointer) == ("hybrid", "pointer", str(tmp_path / "ptr"))
 
 
 def test_default_spec_without_head_serves_plain(monkeypatch, tmp_path):

@@ -94,6 +94,20 @@ def test_lookup_is_vllms_ngram_proposal():
         assert lookup(ctx.tolist(), k, n_min, n_max) == want, (ctx.tolist(), n_min, n_max, k)
 
 
+def test_the_prompts_ngram_index_proposes_what_the_scan_does():
+    from cartspec.drafting.lookup import lookup_scan
+
+    rng = random.Random(1)
+    for _ in range(2000):
+        P = rng.randint(1, 40)
+        ctx = [rng.randint(0, 4) for _ in range(P + rng.randint(0, 12))]
+        n_min = rng.randint(1, 3)
+        n_max, k = rng.randint(n_min, 5), rng.randint(1, 5)
+        want = lookup_scan(ctx, k, n_min, n_max, limit=P)
+        assert lookup(ctx, k, n_min, n_max, limit=P) == want, (ctx, P, n_min, n_max, k)
+        assert lookup(np.array(ctx), k, n_min, n_max, limit=P) == want
+
+
 def test_context_for_appends_this_steps_accepted_tokens():
     row = np.array([1, 2, 3, 0, 0])
     assert context_for(row, 3, [7, 8, -1, -1], vocab_size=100) == [1, 2, 3, 7, 8]

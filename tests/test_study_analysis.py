@@ -302,3 +302,19 @@ def test_the_report_header_says_what_cartspecs_vllm_plugin_did_in_the_deployment
                                       "hybrid": "skipped in 2 of 3 deployments, applied in 1 of 3 deployments"}
     assert patch_summary(results[:1]) == {"cpu_expand": "applied", "hybrid": "skipped"}
     assert patch_summary([]) == {}
+
+
+def test_the_verdict_states_greedy_parity_per_dtype_and_load_beside_the_paired_test():
+    from cartspec.analysis.models import StudyRow
+    from cartspec.report.prose import parity_line, quality_line
+
+    def row(dep, c, dtype, agree):
+        return StudyRow(deployment=dep, method="eagle3", concurrency=c, dtype=dtype, status="ok",
+                        agreement_vs_baseline=agree, json_valid=1.0, exact_match=0.9)
+
+    rows = [row("eagle3-domain-g3", 1, "bfloat16", 1.0), row("hybrid-domain-g3", 1, "bfloat16", 0.95),
+            row("eagle3-domain-g3", 8, "bfloat16", 0.9), row("eagle3-domain-g3", 1, "float32", 1.0)]
+    line = parity_line(rows)
+    assert "bfloat16: 95% at 1 stream, 90% at 8 streams" in line and "float32: 100% at 1 stream" in line
+    assert line in quality_line(rows)
+    assert parity_line([row("x", 1, "bfloat16", None)]) == ""

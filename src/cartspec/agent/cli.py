@@ -35,6 +35,10 @@ def serve(
     draft: Optional[str] = typer.Option(None, help="how the head drafts: eagle3 | hybrid (EAGLE-3 + prompt lookup of "
                                         "the shopper's words); default: hybrid, the one measured best for the "
                                         "bundled model (eagle3 with --adaptive, whose schedule is the head's)"),
+    pointer: Optional[str] = typer.Option(None, help="the hybrid's pointer trained for --model (the directory "
+                                          "`cartspec draft pointer` wrote): the hybrid drafts with rule pointer "
+                                          "(default: the bundled pointer where it was trained for --model, else "
+                                          "the head alone)"),
     adaptive: bool = typer.Option(False, "--adaptive", help="γ per batch size, tuned for this machine: the "
                                   "schedule cached by an earlier study or tune, else a calibration first (a few "
                                   "minutes); replaces --gamma"),
@@ -173,7 +177,9 @@ def serve(
                 draft = draft or ("eagle3" if adaptive else DEFAULT_DRAFT)
                 if draft not in DRAFTS:
                     raise ValueError(f"--draft must be {' or '.join(DRAFTS)}, not {draft!r}")
-                spec = default_spec(model, head, gamma, enforce_eager, dtype, draft, say=_warn)
+                if pointer and draft != "hybrid":
+                    raise ValueError("--pointer is a setting of --draft hybrid")
+                spec = default_spec(model, head, gamma, enforce_eager, dtype, draft, say=_warn, pointer=pointer)
                 if adaptive:
                     spec = adaptive_schedule(adaptive_request(spec))
             elif canary_head and not canary_upstream:  # the candidate: --model/--head/--gamma, head swapped

@@ -26,11 +26,12 @@ def _warn(message: str) -> None:
 
 
 def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: str = "auto",
-                 draft: str = DEFAULT_DRAFT, say: Say = _warn) -> DeploymentSpec:
+                 draft: str = DEFAULT_DRAFT, say: Say = _warn, pointer: str | None = None) -> DeploymentSpec:
     """The deployment ``serve`` runs: the commerce target; the domain head at γ=``gamma`` when the head is
     there, drafting with ``draft`` (eagle3, or hybrid: the head plus the prompt's copies with the rule
     ``drafting.config.default_rule`` gives the target; where that is the head alone, eagle3), otherwise no
-    speculation. ``say``: where a warning
+    speculation. ``pointer``: the hybrid's pointer for this target (default: the bundled one where it was
+    trained for it). ``say``: where a warning
     goes (no head for this target: served without speculation)."""
     from ..model.convert import ModelNotFound
     from ..model.registry import matching_bundled_head, resolve_head, resolve_model
@@ -51,11 +52,12 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: 
         if draft == "hybrid":  # the hybrid's default rule for this target (the pointer where one was trained)
             from ..drafting.config import NO_POINTER, default_rule
 
-            rule = default_rule(resolve_model(model))
+            rule = default_rule(resolve_model(model), pointer)
             if rule == "head":  # the hybrid would draft as the head alone, at the hybrid's cost: the head alone
                 say(f"{NO_POINTER}; serving the head alone (--draft eagle3)")
                 draft, rule = "eagle3", None
-        speculative = Speculative(method=draft, model=head, num_speculative_tokens=gamma, hybrid_rule=rule)
+        speculative = Speculative(method=draft, model=head, num_speculative_tokens=gamma, hybrid_rule=rule,
+                                  hybrid_pointer=pointer if rule == "pointer" else None)
     # Per-request timing metrics give the trace vLLM's own queue time and TTFT.
     return DeploymentSpec(model=model, speculative=speculative, enforce_eager=enforce_eager, dtype=dtype,
                           engine_args=["--enable-per-request-metrics"])

@@ -168,12 +168,16 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
         return SweepPlan(name="paper", deployments=[
             baseline(model), spec_deployment(model, "eagle3", 3, head),
             spec_deployment(model, "eagle3", 5, head), adaptive_deployment(model, head),
+            # the hybrid with its default rule for the target (the pointer for the bundled model), as serve
+            # deploys it
+            spec_deployment(model, "hybrid", 3, head), spec_deployment(model, "hybrid", 5, head),
             spec_deployment(model, "ngram", 3),
             *([spec_deployment(model, "suffix", 3)] if suffix_available() else [])],
             concurrencies=[1, 2, 4, 8, 16, 32], temperatures=[0.0, 0.5],
             # the baseline, the head at γ 3 and 5 and the adaptive schedule up at once (about 4.8 GB each
             # with the bundled model in float32), measured in turn at every point: the adaptive-vs-fixed and
-            # speculative-vs-baseline ratios are then free of the host's drift; n-gram and suffix follow
+            # speculative-vs-baseline ratios are then free of the host's drift; the hybrids, n-gram and suffix
+            # follow
             interleave=4,
             # 10..64 requests per point: about half an hour on 2 CPU cores; points are paired (the same
             # requests on every deployment), so ratios stay tight even with few requests.
@@ -182,7 +186,7 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
         deps = [baseline(model), spec_deployment(model, "ngram", 3)]
         if head_available("domain"):
             deps += [spec_deployment(model, "eagle3", 3, "domain"),
-                     spec_deployment(model, "hybrid", 3, "domain", "pointer")]
+                     spec_deployment(model, "hybrid", 3, "domain")]  # its default rule, as serve deploys it
         # up at once and measured in turn at every point, as in ``paper``: one after another, a ratio carries
         # whatever the host did in the minutes between two deployments (a few busy minutes land on one of them)
         return SweepPlan(name="quick", deployments=deps, concurrencies=[1, 8], temperatures=[0.0],

@@ -1,10 +1,50 @@
-"""vLLM's n-gram proposal (prompt lookup), the copy every hybrid rule starts from."""
+"""vLLM's n-gram proposal (prompt lookup), the copy every hybrid rule starts from.
+
+In the prompt (``limit`` = the prompt's length, the hybrid's scope ``prompt``) the prompt's n-grams are
+indexed once per prompt (``PromptIndex``, kept for the latest ``INDEX_CACHE`` prompts), so a verify step
+costs a dictionary lookup per n-gram size instead of a scan of the whole context: the runner asks once
+per request and step. ``lookup_scan`` is the scan, kept as the reference the index is tested against and
+for the scope ``context`` (prompt + reply, which grows every step).
+"""
 
 from __future__ import annotations
 
 from typing import Sequence
 
 import numpy as np
+
+INDEX_CACHE = 512  # prompts whose n-gram index is kept (a server's requests in flight, a simulator's sequence)
+
+
+class PromptIndex:
+    """For each n-gram size, each n-gram of the prompt -> the start of its earliest occurrence."""
+
+    def __init__(self, prompt: Sequence[int], n_min: int, n_max: int):
+        p = _ints(prompt)
+        self.size = len(p)
+        self.first: dict[int, dict[tuple, int]] = {}
+        for n in range(n_min, n_max + 1):
+            d: dict[tuple, int] = {}
+            for s in range(len(p) - n, -1, -1):  # from the end, so the earliest occurrence is written last
+                d[tuple(p[s:s + n])] = s
+            self.first[n] = d
+
+
+_INDEX: dict[tuple, PromptIndex] = {}
+
+
+def _ints(tokens: Sequence[int]) -> list[int]:
+    return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
+
+
+def prompt_index(prompt: Sequence[int], n_min: int, n_max: int) -> PromptIndex:
+    key = (n_min, n_max, tuple(_ints(prompt)))
+    idx = _INDEX.get(key)
+    if idx is None:
+        if len(_INDEX) >= INDEX_CACHE:
+            _INDEX.pop(next(iter(_INDEX)))
+        idx = _INDEX[key] = PromptIndex(prompt, n_min, n_max)
+    return idx
 
 
 def lookup(context: Sequence[int], k: int, n_min: int, n_max: int, limit: int | None = None) -> list[int]:
@@ -13,6 +53,23 @@ def lookup(context: Sequence[int], k: int, n_min: int, n_max: int, limit: int | 
 
     ``limit``: only occurrences whose continuation starts before ``limit`` count, and the
     continuation stops there (``limit`` = the prompt length: look up in the prompt only)."""
+    L = len(context)
+    if limit is None or L - 1 < limit:
+        return lookup_scan(context, k, n_min, n_max, limit)
+    ctx = _ints(context)
+    idx = prompt_index(ctx[:limit], n_min, n_max)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        if limit - n < 0:
+            continue
+        s = idx.first[n].get(tuple(ctx[L - n:]))
+        if s is not None:
+            st = s + n
+            return ctx[st:min(st + k, limit)]
+    return []
+
+
+def lookup_scan(context: Sequence[int], k: int, n_min: int, n_max: int, limit: int | None = None) -> list[int]:
+    """``lookup`` by scanning the context (module doc)."""
     ctx = np.asarray(context, dtype=np.int64)
     L = len(ctx)
     end = L - 1 if limit is None else min(L - 1, limit)  # an occurrence must end before position `end`
