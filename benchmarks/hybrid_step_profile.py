@@ -42,12 +42,15 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from cartspec.draft.acceptance import load_data
-    from cartspec.draft.pointer import sequences_from_gold
-    from cartspec.drafting import HybridConfig, TokenInfo
-    from cartspec.drafting.pointer import Pointer
+    from cartspec.draft.pointer import Pointer, sequences_from_gold
     from cartspec.machine import engine_versions
     from cartspec.model.registry import resolve_model, resolve_pointer
-    from cartspec.vllm_plugin.hybrid import hybrid_drafts
+
+    try:
+        from cartspec.drafting import HybridConfig, TokenInfo
+        from cartspec.vllm_plugin.hybrid import hybrid_drafts
+    except ImportError:  # a version before the drafting package (run with PYTHONPATH=OLD/src for "before")
+        from cartspec.serving.hybrid import HybridConfig, TokenInfo, hybrid_drafts
 
     torch.set_num_threads(1)
     model = resolve_model("commerce")
@@ -57,7 +60,9 @@ def main() -> None:
     info = TokenInfo.from_tokenizer(tok)
     pointer = Pointer.load(resolve_pointer(None), model) if args.rule == "pointer" else None
     k = args.gamma
-    out = {"rule": args.rule, "gamma": k, "requests": len(seqs), "machine": engine_versions(), "batches": {}}
+    import cartspec
+
+    out = {"source": str(Path(cartspec.__file__).parent), "rule": args.rule, "gamma": k, "requests": len(seqs), "machine": engine_versions(), "batches": {}}
 
     def run_batch(B: int, seed: int) -> list[float]:
         """Per-step seconds of ``hybrid_drafts`` over the replies, B requests at a time."""

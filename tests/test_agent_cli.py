@@ -38,12 +38,14 @@ def test_default_spec_uses_a_head_when_there_is_one(tmp_path):
     head.mkdir()
     (head / "config.json").write_text("{}")
     spec = default_spec("commerce", str(head), 3, enforce_eager=False)
-    # the bundled model drafts with the hybrid and the pointer trained for it (measured best)
+    # the bundled model drafts with the hybrid and the pointer trained for it: the hybrid's default for it
     assert spec.speculative.method == "hybrid" and spec.speculative.num_speculative_tokens == 3
-    assert spec.speculative.hybrid_rule == "pointer"
+    from cartspec.model.registry import resolve_model
+
+    assert spec.speculative.hybrid is None and spec.speculative.hybrid_config(resolve_model("commerce")).rule == "pointer"
     assert "--enable-per-request-metrics" in spec.engine_args
     spec = default_spec("commerce", str(head), 3, enforce_eager=False, draft="eagle3")
-    assert spec.speculative.method == "eagle3" and spec.speculative.hybrid_rule is None
+    assert spec.speculative.method == "eagle3" and spec.speculative.hybrid is None
 
 
 def test_default_spec_serves_the_head_alone_for_a_model_no_pointer_was_trained_for(tiny_llama_dir, tmp_path):
@@ -53,12 +55,12 @@ def test_default_spec_serves_the_head_alone_for_a_model_no_pointer_was_trained_f
     said = []
     spec = default_spec(str(tiny_llama_dir), str(head), 3, enforce_eager=False, say=said.append)
     # the hybrid's default rule there is the head alone: served as the head, and the user is told why
-    assert spec.speculative.method == "eagle3" and spec.speculative.hybrid_rule is None
+    assert spec.speculative.method == "eagle3" and spec.speculative.hybrid is None
     assert any("no pointer was trained for this target" in m and "cartspec draft pointer" in m for m in said)
     # with the pointer trained for it (serve --pointer DIR), the hybrid drafts with rule pointer
     spec = default_spec(str(tiny_llama_dir), str(head), 3, enforce_eager=False, pointer=str(tmp_path / "ptr"))
     sp = spec.speculative
-    assert (sp.method, sp.hybrid_rule, sp.hybrid_pointer) == ("hybrid", "pointer", str(tmp_path / "ptr"))
+    assert (sp.method, sp.hybrid.rule, sp.hybrid.pointer) == ("hybrid", "pointer", str(tmp_path / "ptr"))
 
 
 def test_default_spec_without_head_serves_plain(monkeypatch, tmp_path):

@@ -200,17 +200,18 @@ def test_hybrid_spec_runs_eagle3_underneath_with_its_settings_in_the_environment
                                                 "model": "/heads/domain"}
     env = sp.server_env()
     assert HybridConfig.from_env(env[ENV]) == sp.hybrid_config()
-    tuned = Speculative(method="hybrid", model="domain", num_speculative_tokens=5, prompt_lookup_min=3,
-                        prompt_lookup_max=5, hybrid_rule="agree", lookup_scope="context")
+    tuned = Speculative(method="hybrid", model="domain", num_speculative_tokens=5,
+                        hybrid={"n_min": 3, "n_max": 5, "rule": "agree", "scope": "context"})
     assert tuned.hybrid_config() == HybridConfig(3, 5, "agree", "context")
     assert Speculative(method="eagle3", model="domain", num_speculative_tokens=3).server_env() == {}
     with pytest.raises(ValueError, match="needs model"):
         Speculative(method="hybrid", num_speculative_tokens=3)
-    with pytest.raises(ValueError, match="settings of method 'hybrid'"):
+    with pytest.raises(ValueError, match="setting of method 'hybrid'"):
+        Speculative(method="eagle3", model="domain", num_speculative_tokens=3, hybrid={"rule": "agree"})
+    with pytest.raises(ValueError, match="settings of method 'hybrid'"):  # a spec file's flat field
         Speculative(method="eagle3", model="domain", num_speculative_tokens=3, hybrid_rule="agree")
-    with pytest.raises(ValueError, match="prompt_lookup_min"):
-        Speculative(method="hybrid", model="domain", num_speculative_tokens=3, prompt_lookup_min=5,
-                    prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="n_min <= n_max"):
+        Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid={"n_min": 5, "n_max": 2})
 
 
 def test_a_hybrid_setting_in_the_callers_environment_does_not_leak_into_other_servers(monkeypatch, tmp_path):
@@ -379,7 +380,7 @@ def test_text_is_a_valid_setting_and_needs_texts_and_encode():
     assert HybridConfig.from_env(TEXT.to_env()) == TEXT
     from cartspec.serving.spec import Speculative
 
-    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="text")
+    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid={"rule": "text"})
     assert sp.hybrid_config().rule == "text"
     with pytest.raises(ValueError, match="TokenInfo"):
         propose([1, 2, 3], [4, 5, 6, 7], 2, TEXT)
@@ -539,12 +540,12 @@ def test_head_p_defaults_per_rule_round_trips_and_is_checked():
     assert HybridConfig.from_env(cfg.to_env()) == cfg
     with pytest.raises(ValueError, match="head_p"):
         HybridConfig(head_p=1.5)
-    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="text",
-                     hybrid_head_p=0.8)
+    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3,
+                     hybrid={"rule": "text", "head_p": 0.8})
     assert sp.hybrid_config().head_p == 0.8
     assert HybridConfig.from_env(sp.server_env()[ENV]).head_p == 0.8
-    with pytest.raises(ValueError, match="settings of method 'hybrid'"):
-        Speculative(method="eagle3", model="domain", num_speculative_tokens=3, hybrid_head_p=0.5)
+    with pytest.raises(ValueError, match="setting of method 'hybrid'"):
+        Speculative(method="eagle3", model="domain", num_speculative_tokens=3, hybrid={"head_p": 0.5})
 
 
 def test_the_drafter_keeps_its_hidden_states_and_the_gate_asks_for_just_the_probabilities_it_needs():

@@ -97,17 +97,25 @@ def test_the_pointer_rule_needs_the_pointer_and_is_a_valid_setting(tmp_path):
     from cartspec.model.convert import ModelNotFound
     from cartspec.serving.spec import Speculative
 
-    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="pointer")
+    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid={"rule": "pointer"})
     cfg = sp.hybrid_config()
     assert cfg.rule == "pointer" and cfg.pointer.endswith("pointers/commerce")  # the bundled one
     assert HybridConfig.from_env(cfg.to_env()) == cfg
     assert sp.label == "hybrid-domain-pointer-g3"
-    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="pointer",
-                     hybrid_pointer=str(tmp_path))
+    sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3,
+                     hybrid={"rule": "pointer", "pointer": str(tmp_path)})
     with pytest.raises(ModelNotFound, match="cartspec draft pointer"):
         sp.hybrid_config()
-    with pytest.raises(ValueError, match="hybrid_pointer is a setting of hybrid_rule 'pointer'"):
-        Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_pointer="commerce")
+    with pytest.raises(ValueError, match="pointer is a setting of rule 'pointer'"):
+        Speculative(method="hybrid", model="domain", num_speculative_tokens=3,
+                    hybrid={"rule": "text", "pointer": "commerce"})
+    # a spec file written before the hybrid block: its flat fields are read into it
+    old = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="pointer",
+                      hybrid_pointer="commerce", hybrid_head_p=0.8, prompt_lookup_max=5)
+    assert old.hybrid == HybridConfig(n_max=5, rule="pointer", pointer="commerce", head_p=0.8)
+    with pytest.raises(ValueError, match="not beside it as well"):
+        Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="text",
+                    hybrid={"rule": "pointer"})
 
 
 # --- the candidates: the shopper's words ----------------------------------------------------------
@@ -206,7 +214,7 @@ def test_a_pointer_trained_for_another_model_is_refused(tmp_path):
     conf["cartspec"]["target"] = {"name": "someone-else", "digest": "0123456789abcdef"}
     (other / "config.json").write_text(json.dumps(conf))
     spec = DeploymentSpec(model="commerce", speculative=Speculative(
-        method="hybrid", model="domain", num_speculative_tokens=3, hybrid_rule="pointer", hybrid_pointer=str(other)))
+        method="hybrid", model="domain", num_speculative_tokens=3, hybrid={"rule": "pointer", "pointer": str(other)}))
     with pytest.raises(HeadMismatch, match="cartspec draft pointer"):
         check_spec_head(spec)
     assert check_spec_head(spec, force=True, warn=lambda m: None) == "match"  # the head's verdict; warned

@@ -79,8 +79,11 @@ def baseline(model: str) -> DeploymentSpec:
 def spec_deployment(model: str, method: str, gamma: int, head: str | None = None,
                     rule: str | None = None) -> DeploymentSpec:
     """``rule``: the hybrid's (``drafting.config.RULES``; None: its default)."""
+    from ..drafting.config import HybridConfig
+
+    hybrid = HybridConfig(rule=rule) if rule else None
     return DeploymentSpec(model=model, speculative=Speculative(method=method, num_speculative_tokens=gamma,
-                                                               model=head, hybrid_rule=rule))
+                                                               model=head, hybrid=hybrid))
 
 
 def adaptive_deployment(model: str, head: str) -> DeploymentSpec:

@@ -256,11 +256,7 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
 
 
 def _hybrid_fields(method: str, hybrid: Any) -> dict[str, Any]:
-    if method != "hybrid" or hybrid is None:
-        return {}
-    return {"prompt_lookup_min": hybrid.n_min, "prompt_lookup_max": hybrid.n_max, "hybrid_rule": hybrid.rule,
-            "lookup_scope": hybrid.scope, "hybrid_head_p": hybrid.head_p,
-            **({"hybrid_pointer": hybrid.pointer} if hybrid.pointer else {})}
+    return {"hybrid": hybrid} if method == "hybrid" and hybrid is not None else {}
 
 
 def _ngram_alignment(results, outputs, classes, gamma, spec) -> dict[str, Any]:

@@ -135,7 +135,8 @@ def acceptance(
     lookup_min: Optional[int] = typer.Option(None, help="hybrid: smallest n-gram the lookup matches"),
     lookup_max: Optional[int] = typer.Option(None, help="hybrid: largest n-gram the lookup matches"),
     rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head | anchor | text | pointer "
-                                                  "(drafting/rules)"),
+                                                  "(drafting/rules); default: what serve deploys, pointer where "
+                                                  "a pointer was trained for --target, else head"),
     pointer: Optional[str] = typer.Option(None, help="hybrid rule pointer: commerce (bundled, the default) | "
                                                      "DIR (`cartspec draft pointer`)"),
     scope: Optional[str] = typer.Option(None, help="hybrid: prompt | context (where the lookup searches)"),

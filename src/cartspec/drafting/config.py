@@ -47,6 +47,8 @@ class HybridConfig:
             object.__setattr__(self, "head_p", HEAD_P.get(self.rule, 0.0))
         if not 0.0 <= self.head_p <= 1.0:
             raise ValueError(f"hybrid head_p must be in [0, 1] (0 = off), got {self.head_p}")
+        if self.pointer and self.rule != "pointer":
+            raise ValueError("a hybrid's pointer is a setting of rule 'pointer'")
 
     def to_env(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)

@@ -8,6 +8,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from ..config_files import FileModel
+from ..drafting.config import HybridConfig
+
+# spec files written before the ``hybrid`` block: its settings as flat fields (and a hybrid's n-gram sizes in
+# prompt_lookup_min/max), read into ``hybrid``
+_FLAT_HYBRID = {"hybrid_rule": "rule", "hybrid_pointer": "pointer", "hybrid_head_p": "head_p", "lookup_scope": "scope"}
 
 Method = Literal["none", "eagle3", "ngram", "draft_model", "suffix", "hybrid"]
 
@@ -32,23 +37,39 @@ class Speculative(BaseModel):
     method: Method = "none"
     num_speculative_tokens: int | None = Field(None, ge=1, le=16, description="γ")
     model: str | None = Field(None, description="EAGLE-3 head or draft model: 'domain', 'generic' or a path")
-    prompt_lookup_min: int | None = Field(None, ge=1)
-    prompt_lookup_max: int | None = Field(None, ge=1)
-    hybrid_rule: Literal["lookup", "agree", "head", "anchor", "text", "pointer"] | None = Field(
-        None, description="hybrid: how the lookup and the head's draft combine per position (drafting/rules)")
-    hybrid_pointer: str | None = Field(
-        None, description="hybrid rule pointer: the trained pointer, 'commerce' (bundled, the default) or a "
-                          "directory `cartspec draft pointer` wrote")
-    hybrid_head_p: float | None = Field(
-        None, ge=0.0, le=1.0, description="hybrid: where a copy first differs from the head's draft and the head "
-                                          "is at least this sure of its own token, the head's draft stands "
-                                          "(0 = off; default: the rule's, 0.9 for pointer)")
-    lookup_scope: Literal["prompt", "context"] | None = Field(
-        None, description="hybrid: look up in the prompt only, or in prompt + output as vLLM's n-gram does")
+    prompt_lookup_min: int | None = Field(None, ge=1, description="method ngram: the smallest n-gram matched")
+    prompt_lookup_max: int | None = Field(None, ge=1, description="method ngram: the largest n-gram matched")
+    hybrid: HybridConfig | None = Field(
+        None, description="method hybrid: the rule and its settings (rule, n_min, n_max, scope, pointer, head_p; "
+                          "drafting.config.HybridConfig, whose defaults fill what is left out); absent: the "
+                          "target's default, as serve deploys it (rule pointer where a pointer was trained for "
+                          "the target, else head)")
     schedule: list[tuple[int, int, int]] | None = Field(
         None, description="per-batch-size γ: [(lo, hi, k), ...] -> num_speculative_tokens_per_batch_size")
     adaptive: bool = Field(False, description="γ per batch size tuned for this machine (`cartspec tune`); the "
                                               "schedule is filled in when the deployment starts")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_hybrid_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        found = {new: data.pop(old) for old, new in _FLAT_HYBRID.items() if old in data}
+        found = {k: v for k, v in found.items() if v is not None}
+        if data.get("method") == "hybrid":
+            for old, new in (("prompt_lookup_min", "n_min"), ("prompt_lookup_max", "n_max")):
+                if data.get(old) is not None:
+                    found[new] = data.pop(old)
+        if found:
+            if data.get("method") != "hybrid":
+                raise ValueError("hybrid_rule, lookup_scope, hybrid_pointer and hybrid_head_p are settings of "
+                                 "method 'hybrid'")
+            if data.get("hybrid") is not None:
+                raise ValueError("the hybrid's settings go in `hybrid` (rule, n_min, n_max, scope, pointer, head_p), "
+                                 "not beside it as well")
+            data["hybrid"] = found
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "Speculative":
@@ -69,13 +90,9 @@ class Speculative(BaseModel):
             raise ValueError(f"method {self.method!r} needs num_speculative_tokens (γ)")
         if self.method in ("eagle3", "draft_model", "hybrid") and not self.model:
             raise ValueError(f"method {self.method!r} needs model (a head or draft model)")
-        if self.method != "hybrid" and (self.hybrid_rule or self.lookup_scope or self.hybrid_pointer
-                                        or self.hybrid_head_p is not None):
-            raise ValueError("hybrid_rule, lookup_scope, hybrid_pointer and hybrid_head_p are settings of "
-                             "method 'hybrid'")
-        if self.hybrid_pointer and self.hybrid_rule != "pointer":
-            raise ValueError("hybrid_pointer is a setting of hybrid_rule 'pointer'")
-        if self.method in ("ngram", "hybrid"):
+        if self.method != "hybrid" and self.hybrid is not None:
+            raise ValueError("hybrid is a setting of method 'hybrid'")
+        if self.method == "ngram":
             lo, hi = self.prompt_lookup_min or 2, self.prompt_lookup_max or 4
             if lo > hi:
                 raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
@@ -86,8 +103,8 @@ class Speculative(BaseModel):
         if self.method == "none":
             return "baseline"
         head = f"-{Path(self.model).name}" if self.method in ("eagle3", "hybrid") and self.model else ""
-        if self.method == "hybrid" and self.hybrid_rule:  # hybrid rules differ in what they draft: say which
-            head += f"-{self.hybrid_rule}"
+        if self.method == "hybrid" and self.hybrid is not None:  # rules differ in what they draft: say which
+            head += f"-{self.hybrid.rule}"
         if self.adaptive:
             return f"{self.method}{head}-auto"
         if self.schedule:  # an explicit schedule: say which, so it never shares a label with a fixed γ
@@ -126,22 +143,22 @@ class Speculative(BaseModel):
         return cfg
 
 
-    def hybrid_config(self, model_dir: str | None = None):
-        """The hybrid drafter's settings (``drafting.config.HybridConfig``), or None for other methods. Without
-        a ``hybrid_rule``, the default for the target in ``model_dir`` (``drafting.config.default_rule``)."""
+    def hybrid_config(self, model_dir: str | None = None) -> HybridConfig | None:
+        """The hybrid drafter's settings, its pointer resolved where the rule is ``pointer``; None for other
+        methods. Without a ``hybrid`` block: the default for the target in ``model_dir``
+        (``drafting.config.default_rule``), as ``serve`` and ``draft acceptance`` resolve it."""
         if self.method != "hybrid":
             return None
-        from ..drafting.config import DEFAULT, HybridConfig, default_rule
+        from dataclasses import replace
 
-        rule = self.hybrid_rule or default_rule(model_dir, self.hybrid_pointer)
-        pointer = ""
-        if rule == "pointer":
+        from ..drafting.config import default_rule
+
+        cfg = self.hybrid if self.hybrid is not None else HybridConfig(rule=default_rule(model_dir))
+        if cfg.rule == "pointer":
             from ..model.registry import resolve_pointer
 
-            pointer = str(resolve_pointer(self.hybrid_pointer))
-        return HybridConfig(n_min=self.prompt_lookup_min or DEFAULT.n_min, n_max=self.prompt_lookup_max or DEFAULT.n_max,
-                            rule=rule, scope=self.lookup_scope or DEFAULT.scope, pointer=pointer,
-                            head_p=self.hybrid_head_p)
+            cfg = replace(cfg, pointer=str(resolve_pointer(cfg.pointer or None)))
+        return cfg
 
     def server_env(self, model_dir: str | None = None) -> dict[str, str]:
         """Environment the vLLM server needs for this method: the hybrid's settings (vLLM's own
