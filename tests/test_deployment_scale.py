@@ -45,21 +45,21 @@ def test_server_command_carries_the_scale_flags(tiny_llama_dir):
     assert cmd[-4:] == ["--tensor-parallel-size", "2", "--enable-prefix-caching", "--enable-per-request-metrics"]
 
 
-def test_the_hybrid_anchor_example_reaches_the_servers_environment():
-    from cartspec.drafting import ENV, HybridConfig
+def test_the_hybrid_anchor_example_reaches_the_servers_additional_config():
+    from cartspec.drafting import KEY, HybridConfig
 
     s = DeploymentSpec.load(EXAMPLES / "cpu-hybrid-anchor.yaml")
-    env = s.speculative.server_env()
-    assert HybridConfig.from_env(env[ENV]) == HybridConfig(n_min=3, n_max=4, rule="anchor", scope="prompt")
+    extra = s.speculative.additional_config()
+    assert HybridConfig.from_dict(extra[KEY]) == HybridConfig(n_min=3, n_max=4, rule="anchor", scope="prompt")
     assert s.speculative.vllm_config("/heads/domain")["method"] == "eagle3"  # vLLM serves the head; cartspec combines
 
 
 def test_the_hybrid_pointer_example_names_the_bundled_pointer_trained_for_its_model():
     from cartspec.model.registry import POINTERS_DIR, check_spec_head
-    from cartspec.drafting import ENV, HybridConfig
+    from cartspec.drafting import KEY, HybridConfig
 
     s = DeploymentSpec.load(EXAMPLES / "cpu-hybrid-pointer.yaml")
-    cfg = HybridConfig.from_env(s.speculative.server_env()[ENV])
+    cfg = HybridConfig.from_dict(s.speculative.additional_config()[KEY])
     assert cfg.rule == "pointer" and Path(cfg.pointer) == POINTERS_DIR / "commerce"
     assert check_spec_head(s) == "match"  # the head, and the pointer, were trained for the commerce model
 

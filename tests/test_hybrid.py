@@ -10,7 +10,7 @@ import pytest
 
 from dataclasses import dataclass
 
-from cartspec.drafting import ENV, HybridConfig, TokenInfo, lookup, propose, value_start
+from cartspec.drafting import KEY, HybridConfig, TokenInfo, lookup, propose, value_start
 from cartspec.drafting.rules import RULES, Step, draft
 from cartspec.vllm_plugin.hybrid import context_for, hybrid_drafts
 
@@ -115,12 +115,13 @@ def test_context_for_appends_this_steps_accepted_tokens():
     assert context_for(row, 2, [100], vocab_size=100) == [1, 2]  # out of vocabulary: a padding marker
 
 
-def test_config_from_env_rejects_bad_settings():
-    assert HybridConfig.from_env(HybridConfig(3, 5, "agree", "context").to_env()) == HybridConfig(3, 5, "agree", "context")
+def test_config_round_trips_and_rejects_bad_settings():
+    cfg = HybridConfig(3, 5, "agree", "context")
+    assert HybridConfig.from_dict(cfg.to_dict()) == HybridConfig.from_dict(cfg.to_json()) == cfg
     with pytest.raises(ValueError, match="not JSON"):
-        HybridConfig.from_env("rule=lookup")
+        HybridConfig.from_dict("rule=lookup")
     with pytest.raises(ValueError, match="must be an object"):
-        HybridConfig.from_env(json.dumps({"rule": "lookup", "gamma": 3}))
+        HybridConfig.from_dict({"rule": "lookup", "gamma": 3})
     with pytest.raises(ValueError, match="rule"):
         HybridConfig(rule="nope")
     with pytest.raises(ValueError, match="n_min"):
@@ -162,33 +163,38 @@ def test_runner_drafts_use_this_steps_tokens_in_padded_mode():
     assert out.dtype == torch.int32
 
 
-def test_the_hybrid_patch_applies_only_with_the_environment_variable(monkeypatch, capsys):
+def test_the_hybrid_patch_drafts_only_in_a_runner_whose_vllm_config_asks(capsys):
     import types
 
     from cartspec.vllm_plugin import hybrid as hybrid_patch
     from cartspec.vllm_plugin.registry import run
 
     class Runner:
+        def __init__(self, extra):
+            self.vllm_config = types.SimpleNamespace(additional_config=extra)
+            self.speculative_config = types.SimpleNamespace(method="ngram")  # no head: the draft passes on
+
         def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *a, **kw):
             return [[1, 2]]
 
     original = Runner.propose_draft_token_ids
     mod = types.ModuleType(hybrid_patch.MODULE)
     mod.GPUModelRunner = Runner
-    monkeypatch.delenv(ENV, raising=False)
-    status = run(hybrid_patch.PATCH, mod, {})
-    assert (status.status, status.reason) == ("skipped", f"not a hybrid deployment ({ENV} unset)")
-    assert Runner.propose_draft_token_ids is original
-    monkeypatch.setenv(ENV, HybridConfig(rule="lookup").to_env())
     statuses = {}
-    assert run(hybrid_patch.PATCH, mod, statuses).status == "applied"
+    assert run(hybrid_patch.PATCH, mod, statuses).status == "applied"  # in every process
     wrapped = Runner.propose_draft_token_ids
     assert wrapped is not original
     assert run(hybrid_patch.PATCH, mod, statuses).status == "applied" and Runner.propose_draft_token_ids is wrapped
     assert "cartspec patch: hybrid applied" in capsys.readouterr().err
+    plain = Runner({})
+    assert plain.propose_draft_token_ids(None, None) == [[1, 2]] and hybrid_patch.runner_config(plain) is None
+    asked = Runner({KEY: HybridConfig(rule="lookup").to_dict()})
+    assert asked.propose_draft_token_ids(None, None) == [[1, 2]]
+    assert hybrid_patch.runner_config(asked) == HybridConfig(rule="lookup")
+    assert "cartspec: hybrid drafts in this runner" in capsys.readouterr().err
 
 
-def test_hybrid_spec_runs_eagle3_underneath_with_its_settings_in_the_environment():
+def test_hybrid_spec_runs_eagle3_underneath_with_its_settings_in_vllms_additional_config(tmp_path):
     from cartspec.bench.plan import parse_deployment
     from cartspec.serving.spec import Speculative
 
@@ -198,12 +204,12 @@ def test_hybrid_spec_runs_eagle3_underneath_with_its_settings_in_the_environment
     assert d.label == "hybrid-domain-g3"
     assert sp.vllm_config("/heads/domain") == {"num_speculative_tokens": 3, "method": "eagle3",
                                                 "model": "/heads/domain"}
-    env = sp.server_env()
-    assert HybridConfig.from_env(env[ENV]) == sp.hybrid_config()
+    extra = sp.additional_config()
+    assert HybridConfig.from_dict(extra[KEY]) == sp.hybrid_config()
     tuned = Speculative(method="hybrid", model="domain", num_speculative_tokens=5,
                         hybrid={"n_min": 3, "n_max": 5, "rule": "agree", "scope": "context"})
     assert tuned.hybrid_config() == HybridConfig(3, 5, "agree", "context")
-    assert Speculative(method="eagle3", model="domain", num_speculative_tokens=3).server_env() == {}
+    assert Speculative(method="eagle3", model="domain", num_speculative_tokens=3).additional_config() == {}
     with pytest.raises(ValueError, match="needs model"):
         Speculative(method="hybrid", num_speculative_tokens=3)
     with pytest.raises(ValueError, match="setting of method 'hybrid'"):
@@ -214,26 +220,21 @@ def test_hybrid_spec_runs_eagle3_underneath_with_its_settings_in_the_environment
         Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid={"n_min": 5, "n_max": 2})
 
 
-def test_a_hybrid_setting_in_the_callers_environment_does_not_leak_into_other_servers(monkeypatch, tmp_path):
-    from cartspec.serving import server as server_mod
+def test_the_server_command_carries_the_hybrids_settings_only_for_a_hybrid(tiny_llama_dir, tmp_path):
+    from cartspec.serving.server import VllmServer
     from cartspec.serving.spec import DeploymentSpec, Speculative
 
-    seen = {}
+    def command(sp):
+        spec = DeploymentSpec(model=str(tiny_llama_dir), speculative=sp)
+        return VllmServer(spec, log_dir=tmp_path, model_dir=tiny_llama_dir, head_dir=tmp_path).command()
 
-    class Stop(Exception):
-        pass
-
-    def fake_popen(cmd, env=None, **kw):
-        seen.update(env)
-        raise Stop
-
-    monkeypatch.setenv(ENV, HybridConfig().to_env())
-    monkeypatch.setattr(server_mod.subprocess, "Popen", fake_popen)
-    spec = DeploymentSpec(model=str(tmp_path), speculative=Speculative(method="ngram", num_speculative_tokens=3))
-    srv = server_mod.VllmServer(spec, log_dir=tmp_path, model_dir=tmp_path)
-    with pytest.raises(Stop):
-        srv.start()
-    assert ENV not in seen
+    cmd = command(Speculative(method="hybrid", model="h", num_speculative_tokens=3, hybrid={"rule": "lookup"}))
+    extra = json.loads(cmd[cmd.index("--additional-config") + 1])
+    assert HybridConfig.from_dict(extra[KEY]) == HybridConfig(rule="lookup")
+    # the target's default where the spec has no hybrid block: no pointer was trained for the tiny model
+    cmd = command(Speculative(method="hybrid", model="h", num_speculative_tokens=3))
+    assert json.loads(cmd[cmd.index("--additional-config") + 1])[KEY]["rule"] == "head"
+    assert "--additional-config" not in command(Speculative(method="ngram", num_speculative_tokens=3))
 
 
 def test_draft_acceptance_cli_rejects_bad_hybrid_settings(tmp_path):
@@ -341,7 +342,7 @@ def test_anchor_does_not_start_on_a_key_or_outside_the_prompt():
 def test_anchor_needs_token_info_and_is_a_valid_setting():
     with pytest.raises(ValueError, match="TokenInfo"):
         propose([1, 2, 3], [4, 5, 6, 7], 2, ANCHOR)
-    assert HybridConfig.from_env(ANCHOR.to_env()) == ANCHOR
+    assert HybridConfig.from_dict(ANCHOR.to_dict()) == ANCHOR
 
 
 # --- the text rule: anchor plus a match on the text of a value, on a hand-made vocabulary ----------------
@@ -377,7 +378,7 @@ TEXT = HybridConfig(3, 4, "text", "prompt")
 
 
 def test_text_is_a_valid_setting_and_needs_texts_and_encode():
-    assert HybridConfig.from_env(TEXT.to_env()) == TEXT
+    assert HybridConfig.from_dict(TEXT.to_dict()) == TEXT
     from cartspec.serving.spec import Speculative
 
     sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid={"rule": "text"})
@@ -537,13 +538,13 @@ def test_head_p_defaults_per_rule_round_trips_and_is_checked():
     assert HybridConfig(rule="text").head_p == 0.0  # the other rules keep the drafts they were measured with
     assert HybridConfig(rule="pointer", head_p=0.0).head_p == 0.0
     cfg = HybridConfig(rule="text", head_p=0.8)
-    assert HybridConfig.from_env(cfg.to_env()) == cfg
+    assert HybridConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="head_p"):
         HybridConfig(head_p=1.5)
     sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3,
                      hybrid={"rule": "text", "head_p": 0.8})
     assert sp.hybrid_config().head_p == 0.8
-    assert HybridConfig.from_env(sp.server_env()[ENV]).head_p == 0.8
+    assert HybridConfig.from_dict(sp.additional_config()[KEY]).head_p == 0.8
     with pytest.raises(ValueError, match="setting of method 'hybrid'"):
         Speculative(method="eagle3", model="domain", num_speculative_tokens=3, hybrid={"head_p": 0.5})
 

@@ -100,7 +100,7 @@ def test_the_pointer_rule_needs_the_pointer_and_is_a_valid_setting(tmp_path):
     sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3, hybrid={"rule": "pointer"})
     cfg = sp.hybrid_config()
     assert cfg.rule == "pointer" and cfg.pointer.endswith("pointers/commerce")  # the bundled one
-    assert HybridConfig.from_env(cfg.to_env()) == cfg
+    assert HybridConfig.from_dict(cfg.to_dict()) == cfg
     assert sp.label == "hybrid-domain-pointer-g3"
     sp = Speculative(method="hybrid", model="domain", num_speculative_tokens=3,
                      hybrid={"rule": "pointer", "pointer": str(tmp_path)})

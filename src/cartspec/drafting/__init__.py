@@ -10,7 +10,7 @@ Shared by the simulator (``draft.simulate``), the acceptance measurement and the
 * ``pointer``: the trained pointer (which word of the prompt a value copies); trained by ``draft.pointer``.
 """
 
-from .config import DEFAULT, ENV, HEAD_P, NEEDS_TOKENS, RULES, HybridConfig, default_rule  # noqa: F401
+from .config import DEFAULT, HEAD_P, KEY, NEEDS_TOKENS, RULES, HybridConfig, default_rule  # noqa: F401
 from .gate import gate  # noqa: F401
 from .lookup import lookup  # noqa: F401
 from .rules import Rule, Step, propose  # noqa: F401

@@ -13,7 +13,9 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ENV = "CARTSPEC_HYBRID"
+# where a deployment's hybrid settings travel into vLLM: its ``--additional-config`` (vLLM's ``additional_config``,
+# the settings it keeps for plugins), as ``{KEY: HybridConfig.to_dict()}``
+KEY = "cartspec_hybrid"
 RULES = ("lookup", "agree", "head", "anchor", "text", "pointer")
 NEEDS_TOKENS = ("anchor", "text", "pointer")  # rules that read the tokens' text (``TokenInfo``)
 SCOPES = ("prompt", "context")
@@ -50,17 +52,24 @@ class HybridConfig:
         if self.pointer and self.rule != "pointer":
             raise ValueError("a hybrid's pointer is a setting of rule 'pointer'")
 
-    def to_env(self) -> str:
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_env(cls, value: str) -> "HybridConfig":
-        try:
-            d = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{ENV} is not JSON: {value!r}") from exc
+    def from_dict(cls, value: dict | str) -> "HybridConfig":
+        """From ``to_dict`` (or its JSON): what vLLM's ``additional_config`` carries under ``KEY``."""
+        d = value
+        if isinstance(value, str):
+            try:
+                d = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"the hybrid's settings are not JSON: {value!r}") from exc
         if not isinstance(d, dict) or set(d) - {"n_min", "n_max", "rule", "scope", "pointer", "head_p"}:
-            raise ValueError(f"{ENV} must be an object with n_min, n_max, rule, scope, pointer, head_p: {value!r}")
+            raise ValueError(f"the hybrid's settings must be an object with n_min, n_max, rule, scope, pointer, "
+                             f"head_p: {value!r}")
         return cls(**d)
 
 

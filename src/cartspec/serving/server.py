@@ -146,6 +146,9 @@ class VllmServer:
                "--uvicorn-log-level", "warning"]
         if s.enforce_eager:
             cmd.append("--enforce-eager")
+        extra = s.speculative.additional_config(str(model))
+        if extra:  # the hybrid's settings, for cartspec's vLLM plugin
+            cmd += ["--additional-config", json.dumps(extra, sort_keys=True)]
         spec_cfg = s.speculative.vllm_config(head)
         if spec_cfg:
             cmd += ["--speculative-config", json.dumps(spec_cfg),
@@ -155,12 +158,10 @@ class VllmServer:
     def environment(self) -> dict[str, str]:
         """The vLLM process's environment: ours, the engine's defaults, the speculation's and the spec's."""
         model, head = self._resolve()
-        env = {**os.environ, **engine_env(), **self.spec.speculative.server_env(str(model)), **self.spec.env}
+        env = {**os.environ, **engine_env(), **self.spec.env}
         if self.spec.kv_cache_fit and not has_cuda() and "VLLM_CPU_KVCACHE_SPACE" not in self.spec.env:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib(model, resolve_dtype(self.spec.dtype),
                                                              self.spec.max_num_seqs, self.spec.max_model_len, head))
-        if self.spec.speculative.method != "hybrid":
-            env.pop("CARTSPEC_HYBRID", None)  # a hybrid setting left in our environment must not change this one
         # cartspec's vLLM plugin (vllm_plugin) loads in every vLLM process through vLLM's entry point; a user's
         # VLLM_PLUGINS list would leave it out
         plugins = env.get("VLLM_PLUGINS")
@@ -189,15 +190,17 @@ class VllmServer:
         try:
             self._start_watchdog(self.proc.pid)
             self._wait_healthy(self.spec.start_timeout_s)
-            self.patches = self._patch_report(VLLM_MODULE in cmd)
+            self.patches = self._patch_report(VLLM_MODULE in cmd,
+                                              needs=("hybrid",) if self.spec.speculative.method == "hybrid" else ())
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _patch_report(self, real_vllm: bool) -> dict[str, Any]:
+    def _patch_report(self, real_vllm: bool, needs: tuple[str, ...] = ()) -> dict[str, Any]:
         """What cartspec's vLLM plugin reported in the log (``vllm_plugin.read_report``): patch name -> its
-        status. A real vLLM that reported nothing ran without the plugin: refused, with what to do."""
+        status. A real vLLM that reported nothing ran without the plugin, and a deployment whose ``needs`` (the
+        hybrid's patch) did not apply cannot draft as asked: both refused, with what to do."""
         from ..vllm_plugin import read_report
 
         try:
@@ -211,6 +214,13 @@ class VllmServer:
                 f"({sys.executable}) with `pip install -e .` (scripts/install.sh does) so that vLLM finds its "
                 "entry point (vllm.general_plugins), and leave cartspec in VLLM_PLUGINS if you set it",
                 tail(self.log_path))
+        for name in needs:
+            status = report.get(name)
+            if real_vllm and (status is None or status.status != "applied"):
+                raise DeploymentError(f"this deployment needs cartspec's vLLM patch {name!r}, which did not apply "
+                                      f"in this vLLM: {status.reason if status else 'not reported'} "
+                                      "(`cartspec doctor` checks every patch against the installed vLLM)",
+                                      tail(self.log_path))
         return report
 
     def _start_watchdog(self, pgid: int) -> None:
@@ -281,7 +291,7 @@ class VllmServer:
         out = {"vllm_patches": summary(self.patches)} if self.patches else {}
         cfg = self.spec.speculative.hybrid_config(model)
         if cfg is not None:
-            out["hybrid"] = cfg.to_env()
+            out["hybrid"] = cfg.to_json()
         return out
 
     def __enter__(self) -> "VllmServer":

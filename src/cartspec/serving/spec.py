@@ -160,15 +160,16 @@ class Speculative(BaseModel):
             cfg = replace(cfg, pointer=str(resolve_pointer(cfg.pointer or None)))
         return cfg
 
-    def server_env(self, model_dir: str | None = None) -> dict[str, str]:
-        """Environment the vLLM server needs for this method: the hybrid's settings (vLLM's own
-        speculative config rejects keys it does not know); ``model_dir``: the target's, for its default rule."""
+    def additional_config(self, model_dir: str | None = None) -> dict[str, Any]:
+        """What vLLM's ``--additional-config`` (the settings vLLM keeps for plugins) carries for this method: the
+        hybrid's settings for cartspec's vLLM plugin (vLLM's speculative config rejects keys it does not know);
+        ``model_dir``: the target's, for its default rule."""
         cfg = self.hybrid_config(model_dir)
         if cfg is None:
             return {}
-        from ..drafting.config import ENV
+        from ..drafting.config import KEY
 
-        return {ENV: cfg.to_env()}
+        return {KEY: cfg.to_dict()}
 
 
 SCALE_FIELDS = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "enable_prefix_caching",

@@ -10,10 +10,10 @@ and an EAGLE-3 head drafts from the target's aux hidden states. So the server
 runs method ``eagle3`` and cartspec wraps ``GPUModelRunner.propose_draft_token_ids``
 (``apply``, through cartspec's vLLM plugin, which vLLM loads in every process): the wrapper calls the original
 (the head's ``[num_reqs, k]`` draft tensor), runs the lookup per request and
-returns the combined tensor. The settings travel in the environment variable
-``CARTSPEC_HYBRID`` (JSON), set by ``VllmServer`` for a ``method: hybrid``
-deployment: vLLM's ``SpeculativeConfig`` is a pydantic dataclass that rejects
-keys it does not know. Without the variable the runner is untouched.
+returns the combined tensor. The settings travel in vLLM's ``additional_config``
+(``--additional-config '{"cartspec_hybrid": {...}}'``, the settings vLLM keeps for plugins), which
+``VllmServer`` sets for a ``method: hybrid`` deployment: vLLM's ``SpeculativeConfig`` is a pydantic
+dataclass that rejects keys it does not know. A runner without them drafts as vLLM does.
 
 The gate needs the head's probability of the token it drafted, which vLLM's drafter never computes (it
 takes an argmax): ``record_hidden`` wraps the drafter's ``_greedy_sample`` (vLLM 0.32's one place where
@@ -29,20 +29,20 @@ not yet hold this step's accepted tokens, which are in ``sampled_token_ids``
 (``context_for``). With ``disable_padded_drafter_batch`` the drafter runs after
 bookkeeping and gets lists; the token rows are then already complete.
 
-The patch is essential to a hybrid deployment: where it does not apply, vLLM fails to start with the
-reason (``registry.PatchError``), whatever the vLLM version.
+The wrap is applied in every vLLM process. With the pinned vLLM, where it does not apply, vLLM fails to
+start with the reason (``registry.PatchError``); with another vLLM it is reported ``failed``, and
+``VllmServer`` refuses a hybrid deployment whose log says so.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from typing import Any, Sequence
 
 import numpy as np
 
-from ..drafting.config import ENV, NEEDS_TOKENS, HybridConfig
+from ..drafting.config import KEY, NEEDS_TOKENS, HybridConfig
 from ..drafting.rules import propose
 from ..drafting.gate import gate
 from ..drafting.tokens import TokenInfo
@@ -66,23 +66,36 @@ def context_for(token_row: np.ndarray, num_tokens: int, sampled_row: Sequence[in
 
 
 def needed() -> str | None:
-    return None if os.environ.get(ENV) else f"not a hybrid deployment ({ENV} unset)"
+    return None  # wrapped in every process; it drafts only in a runner whose vLLM config asks (``runner_config``)
+
+
+def runner_config(runner) -> HybridConfig | None:
+    """The hybrid's settings of this runner's deployment: vLLM's ``additional_config`` under ``KEY``, read once
+    per runner; None for a deployment that is not a hybrid (the wrapper then passes the head's draft on)."""
+    try:
+        return runner._cartspec_hybrid
+    except AttributeError:
+        pass
+    extra = getattr(getattr(runner, "vllm_config", None), "additional_config", None) or {}
+    value = extra.get(KEY) if isinstance(extra, dict) else None
+    cfg = HybridConfig.from_dict(value) if value else None
+    runner._cartspec_hybrid = cfg
+    if cfg is not None:
+        print(f"cartspec: hybrid drafts in this runner: {cfg.to_json()}", file=sys.stderr, flush=True)
+    return cfg
 
 
 def apply(mod) -> None:
-    """Wrap ``GPUModelRunner.propose_draft_token_ids`` with the hybrid configured by ``CARTSPEC_HYBRID``."""
-    cfg = HybridConfig.from_env(os.environ[ENV])
-    if cfg.rule in NEEDS_TOKENS:  # fail at start-up, not at the first draft, on a bad tokenizer
-        import transformers  # noqa: F401
-    if cfg.rule == "pointer":  # ... or a missing pointer
-        from ..model.registry import resolve_pointer
-
-        resolve_pointer(cfg.pointer)
+    """Wrap ``GPUModelRunner.propose_draft_token_ids``: in a hybrid deployment (``runner_config``) the head's
+    draft is combined with the prompt's copies; elsewhere it passes through."""
     runner = mod.GPUModelRunner
     original = runner.propose_draft_token_ids
 
     @functools.wraps(original)
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        cfg = runner_config(self)
+        if cfg is None:
+            return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         method = getattr(self.speculative_config, "method", None)
         drafter = getattr(self, "drafter", None)
         hidden = record_hidden(drafter) if method == "eagle3" and cfg.head_p > 0 else None
@@ -98,7 +111,6 @@ def apply(mod) -> None:
                              runner_pointer(self, cfg), probs)
 
     runner.propose_draft_token_ids = propose_draft_token_ids
-    print(f"cartspec: hybrid EAGLE-3 + prompt lookup drafts {cfg.to_env()}", file=sys.stderr)
 
 
 def record_hidden(drafter) -> list | None:
@@ -234,4 +246,4 @@ PATCH = Patch(
                     ("self", "scheduler_output", "sampled_token_ids")),
              Target("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._greedy_sample",
                     ("self", "hidden_states"))),
-    apply=apply, needed=needed, essential=True)
+    apply=apply, needed=needed)

@@ -7,7 +7,7 @@ function that applies it. ``install`` applies every registered patch as soon as 
 stderr, which is the vLLM server's log:
 
     cartspec patch: cpu_expand applied (pid 4242)
-    cartspec patch: hybrid skipped (pid 4242): not a hybrid deployment (CARTSPEC_HYBRID unset)
+    cartspec patch: recovered_noise skipped (pid 4242): CARTSPEC_RECOVERED_NOISE=vllm
 
 ``read_report`` reads those lines back from a log (``VllmServer`` records them with the deployment).
 
