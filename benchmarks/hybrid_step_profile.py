@@ -75,7 +75,7 @@ def main() -> None:
             if len(group) < B:
                 group += [seqs[i] for i in order[:B - len(group)]]
             L = max(len(t) for t, _ in group)
-            rows = np.zeros((B, L + k + 2), dtype=np.int64)
+            rows = np.zeros((B, L + 2 * k + 4), dtype=np.int64)  # room for the last step's draft
             for i, (t, _) in enumerate(group):
                 rows[i, :len(t)] = t
             pos = [p for _, p in group]  # tokens known to the runner (prompt, then accepted)

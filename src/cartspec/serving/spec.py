@@ -49,6 +49,13 @@ class Speculative(BaseModel):
     adaptive: bool = Field(False, description="γ per batch size tuned for this machine (`cartspec tune`); the "
                                               "schedule is filled in when the deployment starts")
 
+    @model_serializer(mode="wrap")
+    def _without_absent_hybrid(self, handler):  # only a hybrid with settings written out carries the block
+        out = handler(self)
+        if isinstance(out, dict) and out.get("hybrid") is None:
+            out.pop("hybrid", None)
+        return out
+
     @model_validator(mode="before")
     @classmethod
     def _flat_hybrid_fields(cls, data: Any) -> Any:
