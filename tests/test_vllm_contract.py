@@ -152,3 +152,20 @@ def test_doctor_lists_every_patch_in_the_order_applied():
     assert [p["name"] for p in d["patches"]] == [p.name for p in patches()]
     assert d["plugin_found"] and d["ok"] and d["dtype"] in ("bfloat16", "float32", "float16")
     assert all(p["contract"] == [] for p in d["patches"])
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_the_offline_generator_runs_with_the_plugins_patches_and_keeps_vllms_log(tiny_llama_dir, tmp_path):
+    """cartspec's own offline generation (feature capture, refresh) is a vLLM too: the plugin loads there
+    through vLLM's entry point, and the log that says so is kept beside the records."""
+    from cartspec.draft.features import Sampling, vllm_generate
+
+    said = []
+    out = tmp_path / "gen.jsonl"
+    records = vllm_generate(tiny_llama_dir, [[1, 2, 3, 4]], [Sampling(max_tokens=4)], out, enforce_eager=True,
+                            log=said.append)
+    assert len(records) == 1
+    report = read_report(out.with_suffix(".log").read_text())
+    assert {n: s.status for n, s in report.items()} == {p.name: "applied" for p in patches()}
+    assert "cartspec's patches: cpu_expand=applied" in said[0]

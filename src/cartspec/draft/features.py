@@ -84,8 +84,11 @@ class Sampling:
 def vllm_generate(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: Sequence[Sampling], out: Path,
                   enforce_eager: bool = False, max_model_len: int = 1024, log: Callable[[str], None] = print,
                   ) -> list[dict[str, Any]]:
-    """Run ``cartspec.draft.vllm_generate`` in a subprocess; returns its records (cached at ``out``)."""
+    """Run ``cartspec.draft.vllm_generate`` in a subprocess; returns its records (cached at ``out``). Its
+    stderr, vLLM's log with the patches cartspec's vLLM plugin applied, is kept beside ``out`` (``.log``); a
+    vLLM that ran without the plugin is refused."""
     from ..serving.engine import engine_env, resolve_dtype
+    from ..vllm_plugin import not_loaded, read_report, summary
 
     out = Path(out)
     if out.exists():
@@ -101,10 +104,15 @@ def vllm_generate(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: S
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "cartspec.draft.vllm_generate", str(job_path), str(tmp)],
                           env=env, capture_output=True, text=True)
+    out.with_suffix(".log").write_text(proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    summary = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), "{}")
-    log(f"vLLM generation: {len(prompts)} prompts in {time.perf_counter() - t0:.0f}s ({summary})")
+    patches = read_report(proc.stderr)
+    if not patches:
+        raise RuntimeError(not_loaded(sys.executable))
+    stats = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), "{}")
+    log(f"vLLM generation: {len(prompts)} prompts in {time.perf_counter() - t0:.0f}s ({stats}); cartspec's "
+        f"patches: {summary(patches)}; vLLM's log: {out.with_suffix('.log')}")
     tmp.replace(out)
     job_path.unlink(missing_ok=True)
     return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]

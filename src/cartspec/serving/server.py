@@ -201,19 +201,14 @@ class VllmServer:
         """What cartspec's vLLM plugin reported in the log (``vllm_plugin.read_report``): patch name -> its
         status. A real vLLM that reported nothing ran without the plugin, and a deployment whose ``needs`` (the
         hybrid's patch) did not apply cannot draft as asked: both refused, with what to do."""
-        from ..vllm_plugin import read_report
+        from ..vllm_plugin import not_loaded, read_report
 
         try:
             report = read_report(self.log_path.read_text(errors="replace"))
         except OSError:
             report = {}
         if real_vllm and not report:
-            raise DeploymentError(
-                "cartspec's vLLM plugin did not load in this vLLM (its log has no 'cartspec patch:' line), so it "
-                "would run without cartspec's fixes and drafters: install cartspec into the Python that runs vLLM "
-                f"({sys.executable}) with `pip install -e .` (scripts/install.sh does) so that vLLM finds its "
-                "entry point (vllm.general_plugins), and leave cartspec in VLLM_PLUGINS if you set it",
-                tail(self.log_path))
+            raise DeploymentError(not_loaded(sys.executable), tail(self.log_path))
         for name in needs:
             status = report.get(name)
             if real_vllm and (status is None or status.status != "applied"):

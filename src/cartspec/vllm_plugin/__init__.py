@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 
-from .registry import PatchError, PatchStatus, install, read_report, summary  # noqa: F401
+from .registry import PatchError, PatchStatus, install, not_loaded, read_report, summary  # noqa: F401
 
 
 def env_mode(name: str, modes: tuple[str, ...]) -> str:

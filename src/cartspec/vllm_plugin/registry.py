@@ -117,6 +117,14 @@ def read_report(log: str) -> dict[str, PatchStatus]:
     return out
 
 
+def not_loaded(python: str) -> str:
+    """What to do when a vLLM run reported no patch: it ran without the plugin."""
+    return ("cartspec's vLLM plugin did not load in this vLLM (its log has no 'cartspec patch:' line), so it would "
+            f"run without cartspec's fixes and drafters: install cartspec into the Python that runs vLLM ({python}) "
+            "with `pip install -e .` (scripts/install.sh does) so that vLLM finds its entry point "
+            "(vllm.general_plugins), and leave cartspec in VLLM_PLUGINS if you set it")
+
+
 def summary(statuses: dict[str, PatchStatus] | Sequence[PatchStatus]) -> str:
     """``cpu_expand=applied, hybrid=skipped, ...``: one line for a result's versions and a report header."""
     items = statuses.values() if isinstance(statuses, dict) else statuses
