@@ -11,7 +11,8 @@ import pytest
 from dataclasses import dataclass
 
 from cartspec.drafting import KEY, HybridConfig, TokenInfo, lookup, propose, value_start
-from cartspec.drafting.rules import RULES, Step, draft
+from cartspec.drafting import RULES
+from cartspec.drafting.rules import BY_NAME, Step, draft
 from cartspec.vllm_plugin.hybrid import context_for, hybrid_drafts
 
 
@@ -61,8 +62,8 @@ def test_combine_rules_per_position():
 
 
 def test_every_rule_is_one_object_behind_the_rule_interface():
-    assert set(RULES) == {"lookup", "agree", "head", "anchor", "text", "pointer"}
-    for name, rule in RULES.items():
+    assert set(BY_NAME) == set(RULES) == {"lookup", "agree", "head", "anchor", "text", "pointer"}
+    for name, rule in BY_NAME.items():
         assert rule.name == name and callable(rule.draft)
     # what a rule needs is refused up front, with what is missing
     with pytest.raises(ValueError, match="needs the tokens' text"):

@@ -1,10 +1,10 @@
 """The hybrid's settings: which rule combines the head's draft with the copies, and its knobs.
 
-One default everywhere: ``HybridConfig()`` is what ``cartspec serve`` deploys, what ``cartspec draft
-acceptance --method hybrid`` and the study's ``hybrid:HEAD:γ`` measure, and every acceptance report and
-study point records the rule it ran (``rule``). The default rule is ``pointer``; a target for which no
-pointer was trained gets rule ``head`` instead (``default_rule``): the other copy rules drafted below the head
-alone on requests no generator wrote (docs/drafting.md, "Hybrid drafts").
+One default everywhere: a hybrid given no settings runs ``HybridConfig(rule=default_rule(target))`` in
+``cartspec serve``, in ``cartspec draft acceptance --method hybrid`` and in the study's ``hybrid:HEAD:γ``,
+and every acceptance report and study point records the settings it ran. The default rule is ``pointer``
+(``DEFAULT``); a target for which no pointer was trained gets rule ``head`` instead: the other copy rules
+drafted below the head alone on requests no generator wrote (docs/drafting.md, "Hybrid drafts").
 """
 
 from __future__ import annotations

@@ -78,7 +78,8 @@ def _registry() -> dict[str, Rule]:
     return {r.name: r for r in (Lookup(), Agree(), Head(), Anchor(), Text(), PointerRule())}
 
 
-RULES: dict[str, Rule] = _registry()
+# every rule object by name; ``config.RULES`` names the same rules (a test holds the two together)
+BY_NAME: dict[str, Rule] = _registry()
 
 
 def check(step: Step, rule: Rule) -> None:
@@ -102,9 +103,9 @@ def propose(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: H
 
 def draft(step: Step) -> list[int]:
     """``step.cfg.rule``'s draft, before the gate."""
-    rule = RULES.get(step.cfg.rule)
+    rule = BY_NAME.get(step.cfg.rule)
     if rule is None:
-        raise ValueError(f"unknown hybrid rule {step.cfg.rule!r}; choose from {tuple(RULES)}")
+        raise ValueError(f"unknown hybrid rule {step.cfg.rule!r}; choose from {tuple(BY_NAME)}")
     if not step.head:
         return []
     check(step, rule)
