@@ -15,3 +15,6 @@ from .gate import gate  # noqa: F401
 from .lookup import lookup  # noqa: F401
 from .rules import Rule, Step, propose  # noqa: F401
 from .tokens import SPECIAL_TEXT, TokenInfo, value_open, value_start  # noqa: F401
+
+__all__ = ["DEFAULT", "HEAD_P", "KEY", "NEEDS_TOKENS", "RULES", "HybridConfig", "default_rule", "gate", "lookup",
+           "Rule", "Step", "propose", "SPECIAL_TEXT", "TokenInfo", "value_open", "value_start"]

@@ -27,7 +27,10 @@ from __future__ import annotations
 
 import os
 
-from .registry import PatchError, PatchStatus, install, not_loaded, read_report, summary  # noqa: F401
+from .registry import PatchError, PatchStatus, install, not_loaded, read_report, summary
+
+__all__ = ["PatchError", "PatchStatus", "env_mode", "install", "not_loaded", "patches", "read_report", "register",
+           "summary"]
 
 
 def env_mode(name: str, modes: tuple[str, ...]) -> str:
