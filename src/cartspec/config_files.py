@@ -6,9 +6,25 @@ import json
 from pathlib import Path
 from typing import TypeVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, model_serializer
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def omit_when_none(*names: str):
+    """A pydantic serializer, set as a class attribute, that leaves ``names`` out of the dump where they are
+    None: a field added later, or set only sometimes, is written (and hashed) as before it existed."""
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        out = handler(self)
+        if isinstance(out, dict):
+            for name in names:
+                if out.get(name) is None:
+                    out.pop(name, None)
+        return out
+
+    return _omit
 
 
 class FileModel(BaseModel):

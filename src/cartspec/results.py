@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any, Iterable, Literal
 
 import numpy as np
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+from .config_files import omit_when_none
 
 from .paths import config_digest
 from .task.data import append_jsonl, read_jsonl
@@ -128,13 +130,8 @@ class PointConfig(BaseModel):
                 dump.pop(name)
         return config_digest(dump)
 
-    @model_serializer(mode="wrap")
-    def _without_empty_version(self, handler: Any) -> dict[str, Any]:
-        # a head outside a head registry: written (and keyed) as before the field existed
-        data = handler(self)
-        if data.get("head_version") is None:
-            data.pop("head_version", None)
-        return data
+    # a head outside a head registry: written (and keyed) as before the field existed
+    _without_empty_version = omit_when_none("head_version")
 
     def slice_bounds(self) -> list[tuple[int, int]]:
         """(first request, requests) of each slice: ``rounds`` runs of consecutive requests, fewer where a
@@ -395,12 +392,7 @@ class Invocation(BaseModel):
                                                                   "deployments this invocation measured "
                                                                   "(``patch_summary``)")
 
-    @model_serializer(mode="wrap")
-    def _without_absent_patches(self, handler):  # an invocation without the report writes what it wrote before
-        out = handler(self)
-        if isinstance(out, dict) and out.get("vllm_patches") is None:
-            out.pop("vllm_patches", None)
-        return out
+    _without_absent_patches = omit_when_none("vllm_patches")  # an invocation without the report: as before
 
 
 class RunManifest(BaseModel):

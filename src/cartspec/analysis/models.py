@@ -6,7 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_serializer
+from pydantic import BaseModel, Field
+
+from ..config_files import omit_when_none
 
 from ..quality.models import JudgeCalibration, QualityEntry, QualityReport
 from ..results import Invocation, Machine, load_label, load_value
@@ -216,12 +218,7 @@ class RunInfo(BaseModel):
         "failed, or e.g. 'skipped in 2 of 3 deployments, applied in 1 of 3 deployments'; absent where the "
         "deployments reported none (runs before the plugin, servers cartspec did not start)"))
 
-    @model_serializer(mode="wrap")
-    def _without_absent_patches(self, handler):  # a run without the report writes the summary it wrote before
-        out = handler(self)
-        if isinstance(out, dict) and out.get("vllm_patches") is None:
-            out.pop("vllm_patches", None)
-        return out
+    _without_absent_patches = omit_when_none("vllm_patches")  # a run without the report: the summary as before
 
 
 class StudyAnalysis(BaseModel):

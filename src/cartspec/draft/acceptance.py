@@ -318,20 +318,20 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
         embed = load_target_weights(model_dir)["embed"].float()
         summary, _ = simulate(h, embed, fs, gamma, classes, progress)
     elif method == "hybrid":
-        from ..drafting.config import NEEDS_TOKENS, HybridConfig, default_rule
+        from ..drafting.config import NEEDS_TOKENS, for_target
         from ..drafting.tokens import TokenInfo
 
-        hybrid = hybrid or HybridConfig(rule=default_rule(model_dir))
+        hybrid = for_target(hybrid, model_dir)
         info = TokenInfo.from_tokenizer(tok) if hybrid.rule in NEEDS_TOKENS else None
         head_dir = resolve_head(head)
         h = load_head(head_dir)
         embed = load_target_weights(model_dir)["embed"].float()
         pointer = None
         if hybrid.rule == "pointer":
-            from ..model.registry import check_head, resolve_pointer
             from ..drafting.pointer import Pointer
+            from ..model.registry import check_head
 
-            pdir = resolve_pointer(hybrid.pointer)
+            pdir = Path(hybrid.pointer)
             check_head(pdir, model_dir, what="pointer")
             pointer = Pointer.load(pdir, model_dir)
         preds, probs = head_predictions(h, embed, fs, gamma)

@@ -391,26 +391,20 @@ def hybrid_config(lookup_min: int | None = None, lookup_max: int | None = None, 
     """The hybrid's ``HybridConfig`` from ``draft acceptance``'s settings (None: the default's; the rule: the
     default for ``target``, ``drafting.config.default_rule``, as ``serve`` deploys), its pointer resolved where
     the rule is ``pointer``. Raises DraftPipelineError for a setting it refuses."""
-    from dataclasses import replace
-
-    from ..drafting.config import DEFAULT, HybridConfig, default_rule
+    from ..drafting.config import DEFAULT, HybridConfig, default_rule, for_target
     from ..model.convert import ModelNotFound
     from ..model.registry import resolve_model
 
     try:
         if rule is None:
             rule = default_rule(resolve_model(target) if target else None, pointer)
-        hybrid = HybridConfig(n_min=lookup_min or DEFAULT.n_min, n_max=lookup_max or DEFAULT.n_max,
-                              rule=rule, scope=scope or DEFAULT.scope, head_p=head_p)
-        if hybrid.rule == "pointer":
-            from ..model.registry import resolve_pointer
-
-            return replace(hybrid, pointer=str(resolve_pointer(pointer)))
+        if pointer and rule != "pointer":
+            raise DraftPipelineError("--pointer is a setting of --rule pointer")
+        return for_target(HybridConfig(n_min=lookup_min or DEFAULT.n_min, n_max=lookup_max or DEFAULT.n_max,
+                                       rule=rule, scope=scope or DEFAULT.scope, pointer=pointer or "",
+                                       head_p=head_p), None)
     except (ValueError, ModelNotFound) as exc:
         raise DraftPipelineError(str(exc)) from exc
-    if pointer:
-        raise DraftPipelineError("--pointer is a setting of --rule pointer")
-    return hybrid
 
 
 def check_drafters(head: str, target: str, pointer: str | None = None, *, force: bool = False,

@@ -10,7 +10,7 @@ drafted below the head alone on requests no generator wrote (docs/drafting.md, "
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 # where a deployment's hybrid settings travel into vLLM: its ``--additional-config`` (vLLM's ``additional_config``,
@@ -92,3 +92,15 @@ def default_rule(model_dir: Path | str | None, pointer: str | None = None) -> st
     from ..model.registry import matching_bundled_pointer
 
     return DEFAULT.rule if matching_bundled_pointer(Path(model_dir)) else "head"
+
+
+def for_target(cfg: HybridConfig | None, model_dir: Path | str | None) -> HybridConfig:
+    """``cfg``, or the target's default where None (``default_rule``), with the pointer resolved to its
+    directory where the rule is ``pointer`` (``""``: the bundled one). What a deployment, the simulator and
+    ``draft acceptance`` run. Raises ``ModelNotFound`` for a pointer that is not there."""
+    cfg = cfg if cfg is not None else HybridConfig(rule=default_rule(model_dir))
+    if cfg.rule == "pointer":
+        from ..model.registry import resolve_pointer
+
+        cfg = replace(cfg, pointer=str(resolve_pointer(cfg.pointer or None)))
+    return cfg

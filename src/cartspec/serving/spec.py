@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..config_files import FileModel
+from ..config_files import FileModel, omit_when_none
 from ..drafting.config import HybridConfig
 
 # spec files written before the ``hybrid`` block: its settings as flat fields (and a hybrid's n-gram sizes in
@@ -49,12 +49,7 @@ class Speculative(BaseModel):
     adaptive: bool = Field(False, description="γ per batch size tuned for this machine (`cartspec tune`); the "
                                               "schedule is filled in when the deployment starts")
 
-    @model_serializer(mode="wrap")
-    def _without_absent_hybrid(self, handler):  # only a hybrid with settings written out carries the block
-        out = handler(self)
-        if isinstance(out, dict) and out.get("hybrid") is None:
-            out.pop("hybrid", None)
-        return out
+    _without_absent_hybrid = omit_when_none("hybrid")  # only a hybrid with settings written out carries the block
 
     @model_validator(mode="before")
     @classmethod
@@ -156,16 +151,9 @@ class Speculative(BaseModel):
         (``drafting.config.default_rule``), as ``serve`` and ``draft acceptance`` resolve it."""
         if self.method != "hybrid":
             return None
-        from dataclasses import replace
+        from ..drafting.config import for_target
 
-        from ..drafting.config import default_rule
-
-        cfg = self.hybrid if self.hybrid is not None else HybridConfig(rule=default_rule(model_dir))
-        if cfg.rule == "pointer":
-            from ..model.registry import resolve_pointer
-
-            cfg = replace(cfg, pointer=str(resolve_pointer(cfg.pointer or None)))
-        return cfg
+        return for_target(self.hybrid, model_dir)
 
     def additional_config(self, model_dir: str | None = None) -> dict[str, Any]:
         """What vLLM's ``--additional-config`` (the settings vLLM keeps for plugins) carries for this method: the
@@ -220,13 +208,7 @@ class DeploymentSpec(FileModel):
                 raise ValueError(f"{name} is set and engine_args passes {flag} too: keep one")
         return self
 
-    @model_serializer(mode="wrap")
-    def _drop_unset_scale(self, handler):
-        out = handler(self)
-        for name in SCALE_FIELDS:
-            if isinstance(out, dict) and out.get(name) is None:
-                out.pop(name, None)
-        return out
+    _drop_unset_scale = omit_when_none(*SCALE_FIELDS)
 
     def scale_args(self) -> list[str]:
         """The typed scale settings as vLLM flags."""

@@ -182,14 +182,14 @@ def runner_pointer(runner, cfg: HybridConfig):
     """The trained pointer over the served model's embedding (loaded once), for rule ``pointer``."""
     if cfg.rule != "pointer":
         return None
-    from ..model.registry import resolve_pointer
-
-    key = (str(resolve_pointer(cfg.pointer)), str(runner.model_config.model))
+    key = (cfg.pointer, str(runner.model_config.model))  # asked every step: resolved and loaded once
     if key not in _POINTER:
         from ..drafting.pointer import Pointer
+        from ..model.registry import resolve_pointer
 
-        _POINTER[key] = Pointer.load(*key)
-        print(f"cartspec: hybrid pointer {key[0]} over the embedding of {key[1]}", file=sys.stderr)
+        path = str(resolve_pointer(cfg.pointer))
+        _POINTER[key] = Pointer.load(path, key[1])
+        print(f"cartspec: hybrid pointer {path} over the embedding of {key[1]}", file=sys.stderr)
     return _POINTER[key]
 
 
