@@ -63,11 +63,11 @@ def test_default_spec_serves_the_head_alone_for_a_model_no_pointer_was_trained_f
     assert (sp.method, sp.hybrid.rule, sp.hybrid.pointer) == ("hybrid", "pointer", str(tmp_path / "ptr"))
 
 
-def test_default_spec_without_head_serves_plain(monkeypatch, tmp_path):
+def test_default_spec_without_head_serves_the_schema_drafter(monkeypatch, tmp_path):
     import cartspec.model.registry as registry
 
     monkeypatch.setattr(registry, "HEADS_DIR", tmp_path / "no-heads")
-    assert default_spec("commerce", "auto", 3, False).speculative.method == "none"
+    assert default_spec("commerce", "auto", 3, False).speculative.method == "schema"  # needs no head
     assert default_spec("commerce", "none", 3, False).speculative.method == "none"
     with pytest.raises(ModelNotFound):
         default_spec("commerce", "domain", 3, False)  # asked for explicitly: an error, not a silent fallback

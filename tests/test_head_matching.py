@@ -76,8 +76,15 @@ def test_bundled_heads_match_the_bundled_models():
 
 
 def test_head_auto_picks_no_bundled_head_for_a_users_model(tiny_llama_dir):
+    """A user's model no bundled head was trained for is served with the schema drafter, which needs no head
+    (and says so); ``--head none`` (the plain deployment) drafts nothing."""
     from cartspec.agent.defaults import default_spec
 
     assert matching_bundled_head(tiny_llama_dir) is None
-    assert default_spec(str(tiny_llama_dir), "auto", 3, True).speculative.method == "none"
+    said = []
+    sp = default_spec(str(tiny_llama_dir), "auto", 3, True, say=said.append).speculative
+    assert (sp.method, sp.num_speculative_tokens, sp.model) == ("schema", 3, None)
+    assert "schema drafter" in said[0] and "cartspec draft train" in said[0]
+    assert default_spec(str(tiny_llama_dir), "none", 3, True).speculative.method == "none"
+    assert default_spec("commerce", "auto", 3, True, draft="schema").speculative.method == "schema"
     assert default_spec("commerce", "auto", 3, True).speculative.model == "domain"

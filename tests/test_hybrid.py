@@ -62,7 +62,7 @@ def test_combine_rules_per_position():
 
 
 def test_every_rule_is_one_object_behind_the_rule_interface():
-    assert set(BY_NAME) == set(RULES) == {"lookup", "agree", "head", "anchor", "text", "pointer"}
+    assert set(BY_NAME) == set(RULES) == {"lookup", "agree", "head", "anchor", "text", "pointer", "schema"}
     for name, rule in BY_NAME.items():
         assert rule.name == name and callable(rule.draft)
     # what a rule needs is refused up front, with what is missing

@@ -32,9 +32,11 @@ def serve(
     head: str = typer.Option("auto", help="EAGLE-3 head: auto (domain when present) | none | domain | generic | "
                              "NAME[@vN] (a registered head, `cartspec heads`) | PATH"),
     gamma: int = typer.Option(3, min=1, max=16, help="γ, draft tokens per step"),
-    draft: Optional[str] = typer.Option(None, help="how the head drafts: eagle3 | hybrid (EAGLE-3 + prompt lookup of "
-                                        "the shopper's words); default: hybrid, the one measured best for the "
-                                        "bundled model (eagle3 with --adaptive, whose schedule is the head's)"),
+    draft: Optional[str] = typer.Option(None, help="how it drafts: eagle3 | hybrid (EAGLE-3 + prompt lookup of "
+                                        "the shopper's words) | schema (from the reply's JSON schema and the "
+                                        "prompt, no head); default: hybrid, the one measured best for the "
+                                        "bundled model (eagle3 with --adaptive, whose schedule is the head's); "
+                                        "schema for a model without a head"),
     pointer: Optional[str] = typer.Option(None, help="the hybrid's pointer trained for --model (the directory "
                                           "`cartspec draft pointer` wrote): the hybrid drafts with rule pointer "
                                           "(default: the bundled pointer where it was trained for --model, else "

@@ -16,7 +16,8 @@ from ..serving.spec import DeploymentSpec, Speculative
 # drafters; its throughput against the head alone, with the command and the machine: docs/drafting.md,
 # "The hybrid against the head in throughput".
 DEFAULT_DRAFT = "hybrid"
-DRAFTS = ("eagle3", "hybrid")
+DRAFTS = ("eagle3", "hybrid", "schema")
+NO_HEAD_DRAFT = "schema"  # a target without a head: the schema drafter, which needs none
 
 Say = Callable[[str], None]
 
@@ -29,24 +30,28 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: 
                  draft: str = DEFAULT_DRAFT, say: Say = _warn, pointer: str | None = None) -> DeploymentSpec:
     """The deployment ``serve`` runs: the commerce target; the domain head at γ=``gamma`` when the head is
     there, drafting with ``draft`` (eagle3, or hybrid: the head plus the prompt's copies with the rule
-    ``drafting.config.default_rule`` gives the target; where that is the head alone, eagle3), otherwise no
-    speculation. ``pointer``: the hybrid's pointer for this target (default: the bundled one where it was
+    ``drafting.config.default_rule`` gives the target; where that is the head alone, eagle3); a target
+    without a head (``head`` auto and none trained for it), or ``draft`` schema: the schema drafter at
+    γ=``gamma`` (drafts from the replies' JSON schema and the prompt); ``head`` none: no speculation. ``pointer``: the hybrid's pointer for this target (default: the bundled one where it was
     trained for it). ``say``: where a warning
     goes (no head for this target: served without speculation)."""
     from ..model.convert import ModelNotFound
     from ..model.registry import matching_bundled_head, resolve_head, resolve_model
 
     speculative = Speculative()
-    if head == "auto":  # only a bundled head trained for this target (or for its base)
+    if head == "auto" and draft != NO_HEAD_DRAFT:  # only a bundled head trained for this target (or its base)
         try:
-            head = matching_bundled_head(resolve_model(model)) or "none"
+            head = matching_bundled_head(resolve_model(model)) or NO_HEAD_DRAFT
         except ModelNotFound as exc:
             say(str(exc))
             head = "none"
-        if head == "none":
-            say(f"no bundled head was trained for {model}: serving without speculation "
-                "(train one: cartspec draft train --target MODEL --prompts FILE.jsonl)")
-    if head != "none":
+        if head == NO_HEAD_DRAFT:
+            say(f"no bundled head was trained for {model}: drafting from the replies' JSON schema and the prompt "
+                "(the schema drafter, which needs no head; train a head: cartspec draft train --target MODEL "
+                "--prompts FILE.jsonl)")
+    if head == NO_HEAD_DRAFT or draft == NO_HEAD_DRAFT:
+        speculative = Speculative(method="schema", num_speculative_tokens=gamma)
+    elif head != "none":
         resolve_head(head)
         rule = None
         if draft == "hybrid":  # the hybrid's default rule for this target (the pointer where one was trained)

@@ -92,7 +92,8 @@ def adaptive_deployment(model: str, head: str) -> DeploymentSpec:
 
 
 def parse_deployment(text: str, model: str) -> DeploymentSpec:
-    """``baseline`` | ``ngram:3`` | ``eagle3:domain:3`` | ``eagle3:/path/to/head:5`` | ``eagle3:domain:auto``
+    """``baseline`` | ``ngram:3`` | ``schema:3`` (drafts from the reply's JSON schema and the prompt, no head) |
+    ``eagle3:domain:3`` | ``eagle3:/path/to/head:5`` | ``eagle3:domain:auto``
     (γ per batch size, tuned for this machine) | ``hybrid:domain:3`` (EAGLE-3 + prompt lookup) |
     ``hybrid-pointer:domain:3`` (the hybrid with that rule, ``drafting.config.RULES``) -> a spec."""
     parts = text.split(":")
@@ -109,11 +110,11 @@ def parse_deployment(text: str, model: str) -> DeploymentSpec:
         return adaptive_deployment(model, ":".join(parts[1:-1]))
     if parts[0] == "suffix" and not suffix_available():
         raise ValueError(SUFFIX_MISSING)
-    if parts[0] in ("ngram", "suffix") and len(parts) == 2:
+    if parts[0] in ("ngram", "suffix", "schema") and len(parts) == 2:
         return spec_deployment(model, parts[0], int(parts[1]))
     if parts[0] in ("eagle3", "draft_model", "hybrid") and len(parts) >= 3:
         return spec_deployment(model, parts[0], int(parts[-1]), ":".join(parts[1:-1]))
-    raise ValueError(f"cannot read deployment {text!r}: use baseline, ngram:γ, eagle3:HEAD:γ, eagle3:HEAD:auto "
+    raise ValueError(f"cannot read deployment {text!r}: use baseline, ngram:γ, schema:γ, eagle3:HEAD:γ, eagle3:HEAD:auto "
                      "hybrid:HEAD:γ or hybrid-RULE:HEAD:γ")
 
 
@@ -164,7 +165,8 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
     trained for the base model on general prompts) is not in it, because a head made for another
     target is refused without ``--force``; compare it with ``--deployments
     baseline,eagle3:generic:3,eagle3:domain:3 --force``.
-    ``quick``: a taste of it in about 11 minutes on 2 cores, with the hybrid drafter beside the head, the deployments
+    ``quick``: a taste of it in about 13 minutes on 2 cores, with the schema drafter beside n-gram and the hybrid
+    drafter beside the head, the deployments
     up at once and measured in turn. ``calibrate``: what the cost model and
     ``cartspec tune`` need on a new machine (the baseline and the head at γ=5 at three loads), in minutes."""
     if name == "paper":
@@ -174,7 +176,7 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
             # the hybrid with its default rule for the target (the pointer for the bundled model), as serve
             # deploys it
             spec_deployment(model, "hybrid", 3, head), spec_deployment(model, "hybrid", 5, head),
-            spec_deployment(model, "ngram", 3),
+            spec_deployment(model, "ngram", 3), spec_deployment(model, "schema", 3),
             *([spec_deployment(model, "suffix", 3)] if suffix_available() else [])],
             concurrencies=[1, 2, 4, 8, 16, 32], temperatures=[0.0, 0.5],
             # the baseline, the head at γ 3 and 5 and the adaptive schedule up at once (about 4.8 GB each
@@ -186,7 +188,8 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
             # requests on every deployment), so ratios stay tight even with few requests.
             requests_per_stream=2, min_requests=10, max_tokens=96)
     if name == "quick":
-        deps = [baseline(model), spec_deployment(model, "ngram", 3)]
+        # the two drafters that need no head: n-gram lookup and the schema drafter
+        deps = [baseline(model), spec_deployment(model, "ngram", 3), spec_deployment(model, "schema", 3)]
         if head_available("domain"):
             deps += [spec_deployment(model, "eagle3", 3, "domain"),
                      spec_deployment(model, "hybrid", 3, "domain")]  # its default rule, as serve deploys it

@@ -83,7 +83,7 @@ class AcceptanceReport(_Written):
     accepted_tokens: int | None = None
     draft_tokens: int | None = None
     engine_counts: EngineCounts | None = None
-    replay_agrees_with_engine: str | None = Field(None, description="ngram: requests whose replayed proposer "
+    replay_agrees_with_engine: str | None = Field(None, description="ngram, schema: requests whose replayed proposer "
                                                                     "gives the engine's per-step counts")
     hybrid: dict[str, Any] | None = Field(None, description="the hybrid drafter's settings")
     per_step_accepted: list[list[int]] | None = Field(None, description="simulated hybrid: per request, per step")
@@ -154,8 +154,9 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
                  log: Callable[[str], None] = print, enforce_eager: bool = False,
                  on_done: Callable[[int, int], None] | None = None, dtype: str = "auto",
                  hybrid: Any = None, server: str | None = None, served_name: str | None = None,
-                 api_key: str | None = None) -> dict[str, Any]:
-    """``method``: eagle3 | ngram | hybrid (``hybrid``: a ``drafting.config.HybridConfig``; None: the default for the target, as ``serve`` deploys).
+                 api_key: str | None = None, reply_schema: str | None = None) -> dict[str, Any]:
+    """``method``: eagle3 | ngram | schema | hybrid (``schema``: the schema drafter, over ``reply_schema``'s file
+    or the commerce task's replies; ``hybrid``: a ``drafting.config.HybridConfig``; None: the default for the target, as ``serve`` deploys).
 
     ``server``: measure this running vLLM instead of starting one (``served_name``: its model, default the
     first it lists; ``api_key``: sent as a bearer token). It must run ``target`` with the method, γ and head
@@ -174,7 +175,8 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
     model_dir = resolve_model(target)
     head_dir = resolve_head(head) if method in ("eagle3", "hybrid") else None
     sp = Speculative(method=method, num_speculative_tokens=gamma,
-                     model=str(head_dir) if head_dir else None, **_hybrid_fields(method, hybrid))
+                     model=str(head_dir) if head_dir else None, **_hybrid_fields(method, hybrid),
+                     **({"reply_schema": reply_schema} if reply_schema else {}))
     spec = DeploymentSpec(name="cartspec", model=str(model_dir), speculative=sp, enforce_eager=enforce_eager,
                           max_num_seqs=max(concurrency, 1), dtype=dtype).resolved()
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -229,15 +231,15 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
     summary["engine_counts"] = {"num_spec_steps": engine.steps, "num_accepted_draft_tokens": engine.accepted,
                                 "num_draft_tokens": engine.drafted, "tau": engine.tau,
                                 "acceptance_rate": engine.rate}
-    if method == "ngram":
-        # n-gram steps without a match propose nothing and are not reported per step, so the
-        # per-step counts cannot be placed on output tokens by counting; the proposer is
-        # deterministic, so replaying it on (prompt + output) places them (checked per request)
-        aligned = _ngram_alignment(results, outputs, classes, gamma, spec)
+    if method in ("ngram", "schema"):
+        # model-free steps that propose nothing are not reported per step, so the per-step counts
+        # cannot be placed on output tokens by counting; the proposer is deterministic, so
+        # replaying it on (prompt + output) places them (checked per request)
+        aligned = _alignment(results, outputs, classes, gamma, spec, tok)
         if aligned.get("by_class_aligned") is not None:
             counts = _count_classes(classes)
             summary["by_class"] = {c: {**v, "tokens": counts.get(c, 0)} for c, v in aligned["by_class_aligned"].items()}
-            summary["by_class_note"] = ("aligned by replaying vLLM's n-gram proposer on prompt + output; "
+            summary["by_class_note"] = (f"aligned by replaying the {method} proposer on prompt + output; "
                                         f"replay reproduces the engine's per-step counts for "
                                         f"{aligned['replay_agrees_with_engine']}")
         summary["replay_agrees_with_engine"] = aligned.get("replay_agrees_with_engine")
@@ -259,9 +261,10 @@ def _hybrid_fields(method: str, hybrid: Any) -> dict[str, Any]:
     return {"hybrid": hybrid} if method == "hybrid" and hybrid is not None else {}
 
 
-def _ngram_alignment(results, outputs, classes, gamma, spec) -> dict[str, Any]:
-    """Replay vLLM's n-gram proposer on each (prompt + output) to place its verify steps."""
-    from .simulate import simulate_ngram, summarize
+def _alignment(results, outputs, classes, gamma, spec, tokenizer=None) -> dict[str, Any]:
+    """Replay the deployment's model-free proposer (vLLM's n-gram, or the schema drafter) on each
+    (prompt + output) to place its verify steps."""
+    from .simulate import simulate_ngram, simulate_proposer, summarize
 
     sp = spec.speculative
     seqs = []
@@ -270,13 +273,31 @@ def _ngram_alignment(results, outputs, classes, gamma, spec) -> dict[str, Any]:
         seqs.append((list(p) + list(out), len(p)))
     if not all(p for _, p in seqs):
         return {"by_class_aligned": None}
-    _, steps = simulate_ngram(seqs, gamma, sp.prompt_lookup_min or 2, sp.prompt_lookup_max or 4, classes)
+    if sp.method == "schema":
+        _, steps = simulate_proposer(seqs, gamma, schema_tracks(tokenizer, sp.schema_dict()), classes)
+    else:
+        _, steps = simulate_ngram(seqs, gamma, sp.prompt_lookup_min or 2, sp.prompt_lookup_max or 4, classes)
     agree = 0
     for c, st in zip(results, steps):
         s = c.request_spec_metrics or {}
         agree += int([x.accepted for x in st] == list(s.get("per_step_accepted", [])))
     return {"by_class_aligned": summarize(steps, gamma)["by_class"], "replay_agrees_with_engine":
             f"{agree}/{len(results)} requests"}
+
+
+def _reply_schema(method: str, gamma: int, reply_schema: str | None, hybrid: Any = None) -> dict[str, Any]:
+    """The schema the drafter follows, as a deployment resolves it (``Speculative.schema_dict``)."""
+    from ..serving.spec import Speculative
+
+    return Speculative(method=method, num_speculative_tokens=gamma, reply_schema=reply_schema, hybrid=hybrid,
+                       model="-" if method == "hybrid" else None).schema_dict()
+
+
+def schema_tracks(tokenizer, schema: dict[str, Any]) -> Callable[[Sequence[int]], Any]:
+    """``prompt -> Track`` of the schema drafter over ``schema`` (``drafting.schema``)."""
+    from ..drafting.schema import SchemaGrammar
+
+    return SchemaGrammar(tokenizer, schema).track
 
 
 def greedy_features(target: str, reqs: Sequence[Request], max_tokens: int = 192, log: Callable[[str], None] = print,
@@ -299,7 +320,7 @@ def greedy_features(target: str, reqs: Sequence[Request], max_tokens: int = 192,
 def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Request], head: str | None = None,
                       max_tokens: int = 192, log: Callable[[str], None] = print,
                       progress: Callable[[int, int], None] | None = None, enforce_eager: bool = False,
-                      hybrid: Any = None) -> dict[str, Any]:
+                      hybrid: Any = None, reply_schema: str | None = None) -> dict[str, Any]:
     from ..model.heads import version_of
     from ..model.registry import resolve_head
     from ..serving.engine import engine_versions
@@ -334,14 +355,25 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
             pdir = Path(hybrid.pointer)
             check_head(pdir, model_dir, what="pointer")
             pointer = Pointer.load(pdir, model_dir)
+        grammar = None
+        if hybrid.rule == "schema":
+            from ..drafting.schema import SchemaGrammar
+
+            grammar = SchemaGrammar(tok, _reply_schema("hybrid", gamma, reply_schema, hybrid))
         preds, probs = head_predictions(h, embed, fs, gamma)
         summary, steps = simulate_hybrid(preds, fs, gamma, hybrid, classes, info, pointer,
-                                         probs if hybrid.head_p > 0 else None)
+                                         probs if hybrid.head_p > 0 else None, grammar)
         summary["hybrid"] = dict(hybrid.__dict__)
         summary["per_step_accepted"] = [[st.accepted for st in seq] for seq in steps]
-    elif method == "ngram":
+    elif method in ("ngram", "schema"):
         seqs = [(list(r["prompt_ids"]) + list(r["output_ids"]), len(r["prompt_ids"])) for r in records]
-        summary, _ = simulate_ngram(seqs, gamma, 2, 4, classes)
+        if method == "schema":
+            from .simulate import simulate_proposer
+
+            summary, _ = simulate_proposer(seqs, gamma, schema_tracks(tok, _reply_schema(method, gamma, reply_schema)),
+                                           classes)
+        else:
+            summary, _ = simulate_ngram(seqs, gamma, 2, 4, classes)
     else:
         raise ValueError(f"cannot simulate method {method!r}")
     for c in summary["by_class"]:

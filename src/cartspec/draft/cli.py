@@ -131,10 +131,14 @@ def acceptance(
     data: str = typer.Option("test", help="train | dev | test | novel (words in no generator pool) | FILE.jsonl"),
     out: Path = typer.Option(..., help="where the JSON goes"),
     simulate: bool = typer.Option(False, "--simulate", help="offline simulator instead of a vLLM deployment"),
-    method: str = typer.Option("eagle3", help="eagle3 | ngram | hybrid (EAGLE-3 + prompt lookup)"),
+    method: str = typer.Option("eagle3", help="eagle3 | ngram | schema (from the reply's JSON schema and the "
+                                              "prompt, no head) | hybrid (EAGLE-3 + prompt lookup)"),
+    reply_schema: Optional[Path] = typer.Option(
+        None, help="schema, and hybrid rule schema: the JSON schema file the replies follow (default: the "
+                   "commerce task's replies)"),
     lookup_min: Optional[int] = typer.Option(None, help="hybrid: smallest n-gram the lookup matches"),
     lookup_max: Optional[int] = typer.Option(None, help="hybrid: largest n-gram the lookup matches"),
-    rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head | anchor | text | pointer "
+    rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head | anchor | text | pointer | schema "
                                                   "(drafting/rules); default: what serve deploys, pointer where "
                                                   "a pointer was trained for --target, else head"),
     pointer: Optional[str] = typer.Option(None, help="hybrid rule pointer: commerce (bundled, the default) | "
@@ -164,8 +168,12 @@ def acceptance(
     from ..task.data import DataFileError
     from .acceptance import AcceptanceReport, load_data, measure_simulated, measure_vllm
 
-    if method not in ("eagle3", "ngram", "hybrid"):
-        _fail("--method must be eagle3, ngram or hybrid")
+    if method not in ("eagle3", "ngram", "schema", "hybrid"):
+        _fail("--method must be eagle3, ngram, schema or hybrid")
+    if reply_schema is not None and not (method == "schema" or (method == "hybrid" and rule == "schema")):
+        _fail("--reply-schema is a setting of --method schema (and of --method hybrid --rule schema)")
+    if reply_schema is not None and not reply_schema.is_file():
+        _fail(f"--reply-schema {reply_schema} does not exist: give a JSON schema file")
     if method in ("eagle3", "hybrid") and not head:
         _fail(f"--head is required with --method {method}")
     if (served_name or server_api_key_env) and not server:
@@ -199,12 +207,12 @@ def acceptance(
             if simulate:
                 res = measure_simulated(target, method, gamma, reqs, head=head, max_tokens=max_tokens,
                                         log=console.print, progress=prog, enforce_eager=enforce_eager,
-                                        hybrid=hybrid)
+                                        hybrid=hybrid, reply_schema=_str(reply_schema))
             else:
                 res = measure_vllm(target, method, gamma, reqs, head=head, concurrency=concurrency,
                                    max_tokens=max_tokens, log=console.print, enforce_eager=enforce_eager,
                                    on_done=prog, dtype=dtype, hybrid=hybrid, server=server,
-                                   served_name=served_name, api_key=api_key)
+                                   served_name=served_name, api_key=api_key, reply_schema=_str(reply_schema))
         except (ModelNotFound, DeploymentError, EndpointError, FileNotFoundError) as exc:
             _fail(str(exc))
     res["data"] = data
@@ -221,6 +229,10 @@ def acceptance(
                      if v.get("head_alone_acceptance") is not None else "")
             console.print(f"  {c:22s} {v['accepted']:6d}/{v['reached']:<6d} = {v['acceptance']:.3f}{alone}")
     console.print(f"-> {out}")
+
+
+def _str(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def _fig(value: float | None) -> str:

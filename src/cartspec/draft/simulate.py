@@ -196,13 +196,14 @@ def head_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamm
 
 def simulate_hybrid(preds: Sequence[torch.Tensor], fs: FeatureSet, gamma: int, cfg: Any,
                     classes: Sequence[Sequence[str]] | None = None, info: Any = None, pointer: Any = None,
-                    probs: Sequence[torch.Tensor] | None = None) -> tuple[dict[str, Any], list[list[Step]]]:
+                    probs: Sequence[torch.Tensor] | None = None, schema: Any = None,
+                    ) -> tuple[dict[str, Any], list[list[Step]]]:
     """The hybrid drafter (``drafting.rules``, config ``cfg``) replayed on greedy outputs: from
     chain start ``i`` the server's context is ``x[:i+2]`` (prompt + output up to the newest token)
     and the head's proposal is ``preds[s][i-(P-1)]``; ``hybrid.propose`` combines them, as in vLLM
     (``info``: ``hybrid.TokenInfo``, for the rules that read the tokens' text; ``pointer``: the trained
     pointer, for rule ``pointer``; ``probs``: the head's probability of each proposed token, for the gate,
-    ``cfg.head_p``; None: no gate)."""
+    ``cfg.head_p``; None: no gate; ``schema``: the replies' ``SchemaGrammar``, for rule ``schema``)."""
     from ..drafting.rules import propose
 
     all_steps = []
@@ -213,7 +214,7 @@ def simulate_hybrid(preds: Sequence[torch.Tensor], fs: FeatureSet, gamma: int, c
         pr = None if probs is None else probs[s].tolist()
 
         def adjust(i, row, toks=toks, P=P, pr=pr):
-            return propose(row, toks[:i + 2], P, cfg, info, pointer, None if pr is None else pr[i - (P - 1)])
+            return propose(row, toks[:i + 2], P, cfg, info, pointer, None if pr is None else pr[i - (P - 1)], schema)
         all_steps.append(simulate_sequence(preds[s], toks, P, gamma, classes[s] if classes is not None else None,
                                            adjust=adjust))
     return summarize(all_steps, gamma), all_steps
@@ -244,6 +245,36 @@ def simulate_ngram(sequences: Sequence[tuple[Sequence[int], int]], gamma: int, n
         j = P  # last emitted position
         while j < L - 1:
             prop = ngram_propose(toks[:j + 1], gamma, n_min, n_max)
+            if not prop:
+                j += 1
+                continue
+            a = 0
+            while a < len(prop) and j + 1 + a < L and prop[a] == toks[j + 1 + a]:
+                a += 1
+            cls = [classes[s][j + 1 + k - P] for k in range(len(prop)) if j + 1 + k < L] if classes else []
+            steps.append(Step(a, len(prop), cls))
+            j += a + 1
+        all_steps.append(steps)
+    return summarize(all_steps, gamma), all_steps
+
+
+def simulate_proposer(sequences: Sequence[tuple[Sequence[int], int]], gamma: int,
+                      track: Callable[[Sequence[int]], Any],
+                      classes: Sequence[Sequence[str]] | None = None) -> tuple[dict[str, Any], list[list[Step]]]:
+    """A model-free proposer with per-request state replayed on greedy outputs ``(tokens, prompt_len)``:
+    ``track(prompt)`` starts a request's state, whose ``feed(reply)`` takes the reply so far and
+    ``draft(k)`` proposes up to ``k`` tokens. Steps that propose nothing are not verify steps (as vLLM
+    counts them), as for n-gram."""
+    all_steps = []
+    for s, (toks, P) in enumerate(sequences):
+        toks = list(toks)
+        L = len(toks)
+        st = track(toks[:P])
+        steps = []
+        j = P  # last emitted position
+        while j < L - 1:
+            st.feed(toks[P:j + 1])
+            prop = st.draft(gamma)
             if not prop:
                 j += 1
                 continue

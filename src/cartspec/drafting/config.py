@@ -16,7 +16,7 @@ from pathlib import Path
 # where a deployment's hybrid settings travel into vLLM: its ``--additional-config`` (vLLM's ``additional_config``,
 # the settings it keeps for plugins), as ``{KEY: HybridConfig.to_dict()}``
 KEY = "cartspec_hybrid"
-RULES = ("lookup", "agree", "head", "anchor", "text", "pointer")
+RULES = ("lookup", "agree", "head", "anchor", "text", "pointer", "schema")
 NEEDS_TOKENS = ("anchor", "text", "pointer")  # rules that read the tokens' text (``TokenInfo``)
 SCOPES = ("prompt", "context")
 # ``HybridConfig.head_p`` where it is not given: chosen for rule ``pointer`` in the simulator on the dev split's

@@ -100,6 +100,8 @@ class ServerInfo:
 
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+# the plugin's patches a method cannot draft without: its start is refused where one did not apply
+NEEDS_PATCH = {"hybrid": ("hybrid",), "schema": ("schema_batch",)}
 
 
 class VllmServer:
@@ -147,8 +149,9 @@ class VllmServer:
         if s.enforce_eager:
             cmd.append("--enforce-eager")
         extra = s.speculative.additional_config(str(model))
-        if extra:  # the hybrid's settings, for cartspec's vLLM plugin
-            cmd += ["--additional-config", json.dumps(extra, sort_keys=True)]
+        if extra:  # the hybrid's or the schema drafter's settings, for cartspec's vLLM plugin
+            # keys in their own order: a JSON schema's property order is the order its keys are written in
+            cmd += ["--additional-config", json.dumps(extra)]
         spec_cfg = s.speculative.vllm_config(head)
         if spec_cfg:
             cmd += ["--speculative-config", json.dumps(spec_cfg),
@@ -191,7 +194,7 @@ class VllmServer:
             self._start_watchdog(self.proc.pid)
             self._wait_healthy(self.spec.start_timeout_s)
             self.patches = self._patch_report(VLLM_MODULE in cmd,
-                                              needs=("hybrid",) if self.spec.speculative.method == "hybrid" else ())
+                                              needs=NEEDS_PATCH.get(self.spec.speculative.method, ()))
         except BaseException:
             self.stop()
             raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,7 +15,7 @@ from ..drafting.config import HybridConfig
 # prompt_lookup_min/max), read into ``hybrid``
 _FLAT_HYBRID = {"hybrid_rule": "rule", "hybrid_pointer": "pointer", "hybrid_head_p": "head_p", "lookup_scope": "scope"}
 
-Method = Literal["none", "eagle3", "ngram", "draft_model", "suffix", "hybrid"]
+Method = Literal["none", "eagle3", "ngram", "draft_model", "suffix", "hybrid", "schema"]
 
 
 def schedule_gamma(schedule: list[tuple[int, int, int]], batch_size: int) -> int:
@@ -44,12 +45,17 @@ class Speculative(BaseModel):
                           "drafting.config.HybridConfig, whose defaults fill what is left out); absent: the "
                           "target's default, as serve deploys it (rule pointer where a pointer was trained for "
                           "the target, else head)")
+    reply_schema: str | None = Field(
+        None, description="method schema: a JSON schema file the drafter follows for requests that send no "
+                          "response_format; absent: the commerce task's replies (search parameters or a support "
+                          "reply)")
     schedule: list[tuple[int, int, int]] | None = Field(
         None, description="per-batch-size γ: [(lo, hi, k), ...] -> num_speculative_tokens_per_batch_size")
     adaptive: bool = Field(False, description="γ per batch size tuned for this machine (`cartspec tune`); the "
                                               "schedule is filled in when the deployment starts")
 
-    _without_absent_hybrid = omit_when_none("hybrid")  # only a hybrid with settings written out carries the block
+    # only a hybrid with settings written out carries the block; a schema drafter with its own schema, the file
+    _without_absent = omit_when_none("hybrid", "reply_schema")
 
     @model_validator(mode="before")
     @classmethod
@@ -94,6 +100,11 @@ class Speculative(BaseModel):
             raise ValueError(f"method {self.method!r} needs model (a head or draft model)")
         if self.method != "hybrid" and self.hybrid is not None:
             raise ValueError("hybrid is a setting of method 'hybrid'")
+        if not self.follows_schema and self.reply_schema is not None:
+            raise ValueError("reply_schema is a setting of method 'schema' (and of a hybrid with rule 'schema')")
+        if self.method == "schema" and self.model:
+            raise ValueError("method 'schema' drafts from the reply's JSON schema and the prompt, with no head or "
+                             "draft model: leave model out")
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min or 2, self.prompt_lookup_max or 4
             if lo > hi:
@@ -140,6 +151,10 @@ class Speculative(BaseModel):
             cfg.update(method="draft_model", model=resolved_model or self.model)
         elif self.method == "suffix":
             cfg.update(method="suffix")
+        elif self.method == "schema":  # vLLM's public interface for a model-free proposer
+            from ..vllm_plugin.schema import CLASS_PATH
+
+            cfg.update(method="custom_class", model=CLASS_PATH)
         if self.schedule:
             cfg["num_speculative_tokens_per_batch_size"] = [list(t) for t in self.schedule]
         return cfg
@@ -159,12 +174,40 @@ class Speculative(BaseModel):
         """What vLLM's ``--additional-config`` (the settings vLLM keeps for plugins) carries for this method: the
         hybrid's settings for cartspec's vLLM plugin (vLLM's speculative config rejects keys it does not know);
         ``model_dir``: the target's, for its default rule."""
-        cfg = self.hybrid_config(model_dir)
-        if cfg is None:
-            return {}
-        from ..drafting.config import KEY
+        out: dict[str, Any] = {}
+        if self.follows_schema:
+            from ..vllm_plugin.schema import KEY as SCHEMA_KEY
 
-        return {KEY: cfg.to_dict()}
+            out[SCHEMA_KEY] = {"schema": self.schema_dict()}
+        cfg = self.hybrid_config(model_dir)
+        if cfg is not None:
+            from ..drafting.config import KEY
+
+            out[KEY] = cfg.to_dict()
+        return out
+
+    @property
+    def follows_schema(self) -> bool:
+        """Drafts from the reply's JSON schema: method ``schema``, or a hybrid with rule ``schema``."""
+        return self.method == "schema" or (self.method == "hybrid" and self.hybrid is not None
+                                           and self.hybrid.rule == "schema")
+
+    def schema_dict(self) -> dict[str, Any] | None:
+        """The schema drafter's schema for requests that send none: ``reply_schema``'s file, else the commerce
+        task's replies; None where the method drafts from no schema (``follows_schema``)."""
+        if not self.follows_schema:
+            return None
+        if self.reply_schema is None:
+            from ..task.schema import reply_schema
+
+            return reply_schema()
+        path = Path(self.reply_schema).expanduser()
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ValueError(f"reply_schema {path} does not exist: give a JSON schema file") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"reply_schema {path} is not JSON ({exc}): give a JSON schema file") from None
 
 
 SCALE_FIELDS = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "enable_prefix_caching",

@@ -165,3 +165,29 @@ def canonical_json(obj: BaseModel) -> str:
 def json_schema(task: TaskName) -> dict[str, Any]:
     """JSON schema handed to vLLM's structured outputs."""
     return SCHEMAS[task].model_json_schema()
+
+
+def union(*schemas: dict[str, Any]) -> dict[str, Any]:
+    """One schema any of ``schemas`` satisfies (``anyOf``), with their ``$defs`` moved to the top so
+    that the references resolve (a deployment serving several reply types drafts for all of them)."""
+    if len(schemas) == 1:
+        return schemas[0]
+    defs: dict[str, Any] = {}
+    parts = []
+    for s in schemas:
+        s = dict(s)
+        for name, d in s.pop("$defs", {}).items():
+            if name in defs and defs[name] != d:
+                raise ValueError(f"schemas define $defs/{name} differently; give one schema")
+            defs[name] = d
+        parts.append(s)
+    out: dict[str, Any] = {"anyOf": parts}
+    if defs:
+        out["$defs"] = defs
+    return out
+
+
+def reply_schema() -> dict[str, Any]:
+    """Every reply the commerce task asks for (search parameters or a support reply), as one JSON schema: the
+    schema drafter's default for requests that send none."""
+    return union(json_schema("search"), json_schema("support"))

@@ -15,6 +15,8 @@ The patches (``PATCHES``), in the order they are applied (and wrap one another):
 * ``cpu_generators`` (``cpu_generators.py``): seeded sampled requests on CPU rewind their generator without
   the offsets CPU generators lack (the engine died of it).
 * ``hybrid`` (``hybrid.py``): the hybrid drafter, in a ``method: hybrid`` deployment only.
+* ``schema_batch`` (``schema.py``): gives the schema drafter, a ``custom_class`` proposer, the runner's
+  batch (request ids, prompt lengths, each request's JSON schema), which vLLM's proposer call leaves out.
 * ``idle_drafter`` (``idle_drafter.py``, outermost of the runner's wraps, so it also skips the hybrid): a
   γ-per-batch-size schedule's γ = 0 steps skip the EAGLE drafter's forward pass.
 
@@ -43,9 +45,9 @@ def env_mode(name: str, modes: tuple[str, ...]) -> str:
 
 def patches() -> tuple:
     """Every patch, in the order they are applied."""
-    from . import cpu_expand, cpu_generators, hybrid, idle_drafter, recovered_noise
+    from . import cpu_expand, cpu_generators, hybrid, idle_drafter, recovered_noise, schema
 
-    return (cpu_expand.PATCH, recovered_noise.PATCH, cpu_generators.PATCH, hybrid.PATCH, idle_drafter.PATCH)
+    return (cpu_expand.PATCH, recovered_noise.PATCH, cpu_generators.PATCH, hybrid.PATCH, schema.PATCH, idle_drafter.PATCH)
 
 
 def register() -> None:

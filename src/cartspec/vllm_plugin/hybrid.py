@@ -47,6 +47,7 @@ from ..drafting.rules import propose
 from ..drafting.gate import gate
 from ..drafting.tokens import TokenInfo
 from .registry import Patch, Target
+from .schema import runner_schemas
 
 MODULE = "vllm.v1.worker.gpu_model_runner"
 
@@ -219,7 +220,10 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
             if i < len(sampled_token_ids) and not sampled_token_ids[i]:
                 continue  # no token this step (partial prefill): nothing is drafted for it
         ctx = context_for(batch.token_ids_cpu[i], int(batch.num_tokens_no_spec[i]), srow, batch.vocab_size)
-        new = propose(rows[i], ctx, int(batch.num_prompt_tokens[i]), cfg, info, pointer)
+        schema = runner_schemas(runner).of(runner, batch.req_ids[i]) if cfg.rule == "schema" else None
+        if cfg.rule == "schema" and schema is None:
+            continue  # no schema for this request: the head's draft stands
+        new = propose(rows[i], ctx, int(batch.num_prompt_tokens[i]), cfg, info, pointer, schema=schema)
         if new != rows[i]:
             combined[i] = new
     if combined and probs is not None and cfg.head_p > 0:

@@ -15,6 +15,8 @@ retired them: docs/drafting.md and docs/experiments.md):
 * ``anchor``: ``lookup`` plus a value's first token looked up alone (``copying.anchor_lookup``).
 * ``text``: ``anchor`` plus the value's text found in the prompt's text (``copying.text_lookup``).
 * ``pointer`` (the default): ``text`` plus a trained pointer that picks which word a value copies.
+* ``schema``: the head's draft with the reply's JSON schema (``drafting.schema``): forced tokens replace the
+  head's guesses, the head drafts what the grammar leaves open.
 
 ``lookup``, ``agree``, ``anchor`` and ``text`` are kept as baselines of the tests and the simulator; none of
 them drafted above the head alone on hand-written requests.
@@ -41,6 +43,7 @@ class Step:
     cfg: HybridConfig
     info: TokenInfo | None = None  # the tokens' text (rules that ``needs_tokens``)
     pointer: Any = None  # the trained pointer (``drafting.pointer.Pointer``; rule ``pointer``)
+    schema: Any = None  # the reply's compiled schema (``drafting.schema.SchemaGrammar``; rule ``schema``)
 
     def ngram(self) -> list[int]:
         """vLLM's n-gram lookup on the context (in the prompt only with scope ``prompt``), ``k`` tokens at most."""
@@ -56,6 +59,7 @@ class Rule(Protocol):
     needs_tokens: ClassVar[bool]  # reads ``Step.info`` (the tokens' text)
     needs_text: ClassVar[bool]  # reads ``Step.info.texts`` and ``Step.info.encode``
     needs_pointer: ClassVar[bool]
+    needs_schema: ClassVar[bool] = False
 
     def draft(self, step: Step) -> list[int]: ...
 
@@ -73,9 +77,10 @@ def _registry() -> dict[str, Rule]:
     from .head import Head
     from .lookup import Lookup
     from .pointer import PointerRule
+    from .schema import SchemaRule
     from .text import Text
 
-    return {r.name: r for r in (Lookup(), Agree(), Head(), Anchor(), Text(), PointerRule())}
+    return {r.name: r for r in (Lookup(), Agree(), Head(), Anchor(), Text(), PointerRule(), SchemaRule())}
 
 
 # every rule object by name; ``config.RULES`` names the same rules (a test holds the two together)
@@ -91,13 +96,16 @@ def check(step: Step, rule: Rule) -> None:
                          "(TokenInfo.from_tokenizer, or from_texts with encode)")
     if rule.needs_pointer and step.pointer is None:
         raise ValueError(f"hybrid rule {rule.name!r} needs the trained pointer (drafting.pointer.Pointer)")
+    if getattr(rule, "needs_schema", False) and step.schema is None:
+        raise ValueError(f"hybrid rule {rule.name!r} needs the reply's compiled schema (drafting.schema.SchemaGrammar)")
 
 
 def propose(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
-            info: TokenInfo | None = None, pointer: Any = None, conf: Any = None) -> list[int]:
+            info: TokenInfo | None = None, pointer: Any = None, conf: Any = None, schema: Any = None) -> list[int]:
     """One request's hybrid draft: ``cfg.rule``'s draft, then the head's ``gate`` (``conf``: the head's
-    probability of each of its tokens, a sequence or a mapping from positions; None: no gate)."""
-    step = Step(list(head), context, prompt_len, cfg, info, pointer)
+    probability of each of its tokens, a sequence or a mapping from positions; None: no gate; ``schema``: the
+    request's ``SchemaGrammar``, for rule ``schema``)."""
+    step = Step(list(head), context, prompt_len, cfg, info, pointer, schema)
     return head_gate(draft(step), step.head, conf, cfg.head_p)
 
 

@@ -1,0 +1,163 @@
+"""The schema drafter: drafts from a reply's JSON schema and the prompt, with no head (``drafting.schema``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from cartspec.draft.simulate import simulate_ngram, simulate_proposer
+from cartspec.drafting.schema import SchemaGrammar, Vocabulary
+from cartspec.serving.spec import DeploymentSpec, Speculative
+from cartspec.task.generator import generate
+from cartspec.task.schema import json_schema, reply_schema, union
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def grammar(tok):
+    return SchemaGrammar(tok, reply_schema())
+
+
+def gold_sequences(tok, n=24, split="test"):
+    """(prompt + gold reply + end of turn, prompt length): the replies a model trained on the task writes."""
+    from cartspec.draft.pointer import sequences_from_gold
+
+    return sequences_from_gold(tok, generate(split, n, 0))
+
+
+def dec(tok, ids):
+    return [tok.decode([t]) for t in ids]
+
+
+def test_what_the_grammar_forces_is_drafted(tok, grammar):
+    prompt = tok("show me red shoes", add_special_tokens=False).input_ids
+    tr = grammar.track(prompt)
+    tr.feed(tok('{"int', add_special_tokens=False).input_ids)
+    assert "".join(dec(tok, tr.draft(3))).startswith('ent":')  # the rest of the one key "int" begins
+    tr = grammar.track(prompt)
+    tr.feed(tok('{"intent": "support", "topic": "ref', add_special_tokens=False).input_ids)
+    assert "".join(dec(tok, tr.draft(5))).startswith("und_window")  # the one enum value "ref" begins
+
+
+def test_an_enum_value_the_prompt_names_and_a_number_it_holds_are_drafted(tok, grammar):
+    prompt = tok("wireless headphones under 80 dollars with free shipping", add_special_tokens=False).input_ids
+    tr = grammar.track(prompt)
+    tr.feed(tok('{"intent": "search", "keywords": "wireless headphones", "price_max": ', add_special_tokens=False).input_ids)
+    assert "".join(dec(tok, tr.draft(2))).startswith("80")
+    tr = grammar.track(prompt)
+    tr.feed(tok('{"intent": "search", "delivery": ', add_special_tokens=False).input_ids)
+    assert "free_shipping" in "".join(dec(tok, tr.draft(6)))
+
+
+def test_drafts_are_k_tokens_at_most_and_the_grammar_accepts_them(tok, grammar):
+    for seq, P in gold_sequences(tok, 12):
+        tr = grammar.track(seq[:P])
+        for j in range(P, len(seq) - 1):
+            tr.feed(seq[P:j + 1])
+            for k in (1, 3, 5):
+                d = tr.draft(k)
+                assert len(d) <= k
+                m = tr.matcher.fork()
+                assert all(m.accept_token(t) for t in d), dec(tok, d)
+
+
+def test_a_reply_that_leaves_the_grammar_gets_no_drafts(tok, grammar):
+    tr = grammar.track(tok("what is your refund window?", add_special_tokens=False).input_ids)
+    tr.feed(tok("You can return items within 30 days.", add_special_tokens=False).input_ids)
+    assert not tr.alive and tr.draft(3) == []
+
+
+def test_on_the_tasks_replies_it_drafts_well_above_ngram(tok, grammar):
+    """The gold replies stand in for the fine-tuned model's (it was trained to write them): JSON structure and
+    keys are mostly forced or follow the schema's order, so the schema drafter's τ at γ=3 is well above
+    n-gram lookup's on the same replies."""
+    seqs = gold_sequences(tok, 32)
+    schema, _ = simulate_proposer(seqs, 3, grammar.track)
+    ngram, _ = simulate_ngram(seqs, 3, 2, 4)
+    assert schema["tau"] > 2.5 and schema["tau"] > ngram["tau"] + 0.4, (schema["tau"], ngram["tau"])
+
+
+def test_union_moves_defs_to_the_top_and_keeps_property_order():
+    u = union(json_schema("search"), json_schema("support"))
+    assert set(u) == {"anyOf", "$defs"} and "Category" in u["$defs"] and "SupportTopic" in u["$defs"]
+    assert all("$defs" not in part for part in u["anyOf"])
+    v = Vocabulary.of(u)
+    assert v.keys[:3] == ("intent", "keywords", "category")  # the schema's order, not sorted
+    assert "free_shipping" in v.enums["delivery"] and "support" in v.enums["intent"]
+    with pytest.raises(ValueError, match=r"\$defs/X"):
+        union({"$defs": {"X": {"type": "string"}}}, {"$defs": {"X": {"type": "integer"}}})
+
+
+def test_the_schema_deployment_uses_vllms_custom_class_and_carries_its_schema(tmp_path):
+    from cartspec.serving.server import VllmServer
+
+    sp = Speculative(method="schema", num_speculative_tokens=3)
+    assert sp.label == "schema-g3"
+    assert sp.vllm_config() == {"num_speculative_tokens": 3, "method": "custom_class",
+                                "model": "cartspec.vllm_plugin.schema.SchemaProposer"}
+    assert "reply_schema" not in sp.model_dump()  # absent settings leave spec files (and study keys) as they were
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"type": "object", "properties": {"b": {"type": "string"}, "a": {"type": "integer"}}}))
+    spec = DeploymentSpec(name="x", model=str(tmp_path),
+                          speculative=Speculative(method="schema", num_speculative_tokens=3, reply_schema=str(f)))
+    cmd = VllmServer(spec, model_dir=tmp_path, log_dir=tmp_path).command()
+    extra = json.loads(cmd[cmd.index("--additional-config") + 1])
+    # the schema as written: its property order is the order replies write keys in
+    assert list(extra["cartspec_schema"]["schema"]["properties"]) == ["b", "a"]
+    assert Speculative.model_validate(sp.model_dump()) == sp
+
+
+def test_bad_schema_settings_are_refused_with_what_to_do(tmp_path):
+    with pytest.raises(ValueError, match="no head"):
+        Speculative(method="schema", num_speculative_tokens=3, model="domain")
+    with pytest.raises(ValueError, match="setting of method 'schema'"):
+        Speculative(method="ngram", num_speculative_tokens=3, reply_schema="x.json")
+    with pytest.raises(ValueError, match="does not exist"):
+        Speculative(method="schema", num_speculative_tokens=3, reply_schema=str(tmp_path / "none.json")).schema_dict()
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        Speculative(method="schema", num_speculative_tokens=3, reply_schema=str(tmp_path / "bad.json")).schema_dict()
+
+
+class _Batch:
+    def __init__(self, req_ids, prompt_lens):
+        self.req_ids = req_ids
+        self.num_prompt_tokens = prompt_lens
+
+
+def test_the_proposer_drafts_per_request_from_the_runners_batch(tok, tokenizer_dir):
+    """``SchemaProposer`` as vLLM calls it (token rows only), with the batch patch ``schema_batch`` binds:
+    each request keeps its grammar state between steps, a request that sent its own schema is drafted from
+    it, and a proposer left unbound says which patch is missing."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from cartspec.vllm_plugin.schema import KEY, SchemaProposer
+
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3),
+                          additional_config={KEY: {"schema": reply_schema()}},
+                          model_config=SimpleNamespace(tokenizer=str(tokenizer_dir), model=str(tokenizer_dir)))
+    prop = SchemaProposer(cfg)
+    with pytest.raises(RuntimeError, match="schema_batch"):
+        prop.propose([[1]], np.array([1]), np.zeros((1, 8), dtype=np.int64))
+    own = SimpleNamespace(sampling_params=SimpleNamespace(structured_outputs=SimpleNamespace(
+        json={"type": "object", "properties": {"zeta": {"type": "string"}}, "required": ["zeta"]})))
+    runner = SimpleNamespace(input_batch=_Batch(["a", "b"], [2, 2]), requests={"b": own})
+    prop.bind(runner)
+    rows = np.zeros((2, 64), dtype=np.int64)
+    prompt = tok("hi!", add_special_tokens=False).input_ids[:2]
+    reply = tok('{"', add_special_tokens=False).input_ids
+    for i in range(2):
+        rows[i, :2] = prompt
+        rows[i, 2:2 + len(reply)] = reply
+    n = np.array([2 + len(reply)] * 2)
+    out = prop.propose([[reply[-1]], [reply[-1]]], n, rows)
+    assert "".join(dec(tok, out[1])).startswith("zeta")  # b's own schema has one key
+    assert not "".join(dec(tok, out[0])).startswith("zeta")  # a follows the deployment's
+    assert prop.propose([[], [reply[-1]]], n, rows)[0] == []  # no token this step: no draft
