@@ -67,6 +67,15 @@ def test_drafts_are_k_tokens_at_most_and_the_grammar_accepts_them(tok, grammar):
                 assert all(m.accept_token(t) for t in d), dec(tok, d)
 
 
+def test_a_compact_reply_is_followed_in_its_own_format(tok, grammar):
+    """vLLM's structured outputs without whitespace write ``{"a":"b","c":1}``: the track replays the reply on
+    the compact format and drafts in it."""
+    tr = grammar.track(tok("refund window?", add_special_tokens=False).input_ids)
+    tr.feed(tok('{"intent":"support","top', add_special_tokens=False).input_ids)
+    assert tr.alive and tr.format == 1
+    assert "".join(dec(tok, tr.draft(4))).startswith('ic":"')
+
+
 def test_a_reply_that_leaves_the_grammar_gets_no_drafts(tok, grammar):
     tr = grammar.track(tok("what is your refund window?", add_special_tokens=False).input_ids)
     tr.feed(tok("You can return items within 30 days.", add_special_tokens=False).input_ids)

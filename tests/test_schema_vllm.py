@@ -3,7 +3,9 @@ a user gets: at T=0 the same replies as plain decoding, at T=0.5 the same token 
 "failed to advance FSM" from vLLM's grammar when drafts and structured outputs meet.
 
 A tiny random Llama: unconstrained it writes noise, which no schema drafts; with the reply schema sent as
-``response_format`` it writes the schema's JSON, so the drafter has forced tokens to propose.
+``response_format`` it writes the schema's JSON, so the drafter has forced tokens to propose. Both
+deployments run vLLM's structured outputs without free whitespace (``disable_any_whitespace``): with it, a
+random model writes spaces and newlines until ``max_tokens``.
 """
 
 from __future__ import annotations
@@ -74,7 +76,9 @@ def test_the_schema_drafter_keeps_replies_and_their_distribution_under_structure
     from cartspec.task.generator import generate
 
     reqs = generate("test", 8, 0)
-    base = DeploymentSpec(name="cartspec", model=str(tiny_llama_dir), enforce_eager=True, max_num_seqs=8)
+    compact = ["--structured-outputs-config", json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
+    base = DeploymentSpec(name="cartspec", model=str(tiny_llama_dir), enforce_eager=True, max_num_seqs=8,
+                          engine_args=compact)
     schema = base.model_copy(update={"speculative": Speculative(method="schema", num_speculative_tokens=3)})
     g0, s0 = _run(base, reqs, tmp_path / "base")
     g1, s1 = _run(schema, reqs, tmp_path / "schema")

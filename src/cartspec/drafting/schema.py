@@ -13,14 +13,16 @@ itself) and drafts text in two kinds of pieces until it has ``k`` tokens:
   3. an enum value the prompt names (``"free_shipping"`` for "free shipping"), then a key whose enum values
      the prompt names, then the next key in the schema's order;
   4. a number the prompt holds and the reply has not used yet; ``true``;
-  5. ``]`` (an array of one), ``, `` while keys remain, ``}``.
+  5. ``]`` (an array of one), a comma while keys remain, ``}``.
 
 The drafted text is tokenized with the served tokenizer as one piece (so ``"`` and ``, `` become the one
 token ``",`` that the model writes) and cut at ``k`` tokens and at the first token the grammar refuses.
 
-The reply's formatting is assumed compact with ``separators`` (``", "``, ``": "``: Python's ``json.dumps``);
-a model that writes otherwise gets drafts refused by the verifier, never a wrong reply: drafts are only
-proposals, which the target verifies. Where the reply leaves the grammar (a free-text answer, another
+The reply's formatting is one of ``FORMATS``, each compiled: the separators of Python's ``json.dumps``
+(``", "``, ``": "``), then the ones without spaces (``","``, ``":"``: what vLLM's structured outputs write
+with ``disable_any_whitespace``). A track follows the first; a reply that leaves it is replayed on the next
+(``Track.feed``). A model that writes otherwise gets drafts refused by the verifier, never a wrong reply:
+drafts are only proposals, which the target verifies. Where the reply leaves the grammar (a free-text answer, another
 format), the track stops drafting for that request.
 """
 
@@ -34,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 from ..task.schema import union  # noqa: F401  (re-exported: one schema for several reply types)
 from .lookup import lookup as ngram_lookup
 
-SEPARATORS = (", ", ": ")
+FORMATS = ((", ", ": "), (",", ":"))  # the separators a reply may write, in the order a track tries them
 TRACKS = 512  # requests whose track ``SchemaGrammar.track_for`` keeps (a server's requests in flight)
 MAX_PIECES = 32
 SHORT_VALUE = 24  # characters: a string value this long so far is a copied value, not free text (``combine``)  # forced/chosen pieces per draft, a bound on the loop
@@ -122,16 +124,15 @@ def _stable(encode: Callable[[str], list[int]], text: str, ids: list[int], m: An
 class SchemaGrammar:
     """A schema compiled for one tokenizer (shared by every request with that schema)."""
 
-    def __init__(self, tokenizer: Any, schema: dict[str, Any] | str, separators: tuple[str, str] = SEPARATORS,
-                 compiler: Any = None):
+    def __init__(self, tokenizer: Any, schema: dict[str, Any] | str, compiler: Any = None):
         import xgrammar as xgr
 
         self.schema = json.loads(schema) if isinstance(schema, str) else schema
         self.tokenizer = tokenizer
         self.compiler = compiler or xgr.GrammarCompiler(
             xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer)))
-        self.compiled = self.compiler.compile_json_schema(json.dumps(self.schema), any_whitespace=False,
-                                                          separators=separators, strict_mode=False)
+        self.compiled = [self.compiler.compile_json_schema(json.dumps(self.schema), any_whitespace=False,
+                                                           separators=sep, strict_mode=False) for sep in FORMATS]
         self.vocab = Vocabulary.of(self.schema)
         self._encode: Callable[[str], list[int]] = lambda s: tokenizer.encode(s, add_special_tokens=False)
         self._tracks: dict[tuple, Track] = {}
@@ -169,26 +170,43 @@ class Track:
         self.text = text.lower()
         self.numbers = _NUMBER.findall(text)
         self.words = {m.group(0).lower() for m in _WORD.finditer(text)}
-        self.matcher = xgr.GrammarMatcher(grammar.compiled, terminate_without_stop_token=True)
+        self.format = 0  # which of ``FORMATS`` the reply follows
+        self.matcher = xgr.GrammarMatcher(grammar.compiled[0], terminate_without_stop_token=True)
         self.reply: list[int] = []
         self.reply_text = ""
         self.alive = True
         self.n_min, self.n_max = n_min, n_max
 
     def feed(self, reply: Sequence[int]) -> None:
-        """The reply so far (all of it, each step): the tokens not yet seen advance the grammar; a token it
-        refuses stops the track (the reply is not this schema's JSON)."""
+        """The reply so far (all of it, each step): the tokens not yet seen advance the grammar. Where the
+        grammar refuses one, the whole reply is replayed on the next of ``FORMATS``; where none takes it, the
+        track stops (the reply is not this schema's JSON)."""
         new = [int(t) for t in reply[len(self.reply):]]
         if not new:
             return
         self.reply += new
         if not self.alive:
             return
-        for t in new:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(t):
-                self.alive = False
+        if not self._accept(self.matcher, new):
+            self.alive = False
+            import xgrammar as xgr
+
+            while self.format + 1 < len(FORMATS):
+                self.format += 1
+                m = xgr.GrammarMatcher(self.g.compiled[self.format], terminate_without_stop_token=True)
+                if self._accept(m, self.reply):
+                    self.matcher, self.alive = m, True
+                    break
+            if not self.alive:
                 return
         self.reply_text = self.g.tokenizer.decode(self.reply)
+
+    @staticmethod
+    def _accept(m: Any, tokens: Sequence[int]) -> bool:
+        for t in tokens:
+            if m.is_terminated() or not m.accept_token(t):
+                return False
+        return True
 
     def draft(self, k: int, after: Sequence[int] = ()) -> list[int]:
         """Up to ``k`` draft tokens after the reply fed so far and then ``after`` ([] where nothing is drafted,
@@ -326,4 +344,5 @@ class Track:
         yield "true"
         yield "]"
         yield ", "
+        yield ","
         yield "}"
