@@ -143,10 +143,13 @@ def test_cuda_gets_vllms_cuda_image_gpus_and_no_cpu_settings(tiny_llama_dir, tmp
     assert model_spec["vllmConfig"]["tensorParallelSize"] == 2
 
 
-def test_the_hybrid_and_an_untuned_adaptive_spec_are_refused(tmp_path):
+def test_the_hybrid_the_schema_drafter_and_an_untuned_adaptive_spec_are_refused(tmp_path):
     hybrid = DeploymentSpec(speculative=Speculative(method="hybrid", model="domain", num_speculative_tokens=3))
     with pytest.raises(ExportRefused, match="cartspec serve --spec SPEC.*method: eagle3"):
         build_export(hybrid)
+    schema = DeploymentSpec(speculative=Speculative(method="schema", num_speculative_tokens=3))
+    with pytest.raises(ExportRefused, match="custom_class.*cartspec serve --spec SPEC.*method: ngram"):
+        build_export(schema)
     adaptive = DeploymentSpec(speculative=Speculative(method="eagle3", model="domain", adaptive=True))
     with pytest.raises(ExportRefused, match="cartspec tune"):
         build_export(adaptive)

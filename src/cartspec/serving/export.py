@@ -21,6 +21,8 @@ Plain vLLM lacks what cartspec adds to the vLLMs it starts, so:
   cartspec's vLLM plugin (``vllm_plugin/hybrid.py``), which vLLM loads only where cartspec is installed; vLLM's
   images do not have it. Serve it with ``cartspec serve --spec`` where cartspec is
   installed, or export its head alone (the same spec with ``method: eagle3``);
+* a **schema** spec (``method: schema``) is refused too: vLLM imports its proposer class from cartspec
+  (``custom_class``), and the class needs the ``schema_batch`` patch of the same plugin;
 * an **adaptive** spec whose schedule is not tuned yet is refused: ``cartspec tune`` writes one with it;
 * on **CPU**, cartspec's fixes of vLLM CPU bugs (``vllm_plugin``) are absent from a plain vLLM:
   the files name the ones that matter for the spec (sampled speculation, a schedule's γ=0 steps).
@@ -51,6 +53,10 @@ CONTAINER_DRAFT = "/models/draft"
 HELM_DATA = "/data/cartspec"  # the production stack's chart mounts the model's PVC at /data
 FILES = ("vllm-serve.sh", "docker-compose.yaml", "helm-values.yaml", "export.json")
 
+SCHEMA_REFUSED = ("the schema drafter (method schema) is a proposer class in cartspec's vLLM plugin "
+                  "(vllm_plugin/schema.py, vLLM's custom_class) with a patch that gives it the batch; vLLM's "
+                  "images do not have cartspec. Serve it with `cartspec serve --spec SPEC` where cartspec is "
+                  "installed, or export a spec with `method: ngram`, which plain vLLM runs with no head either")
 HYBRID_REFUSED = ("the hybrid drafter (method hybrid) is a patch of vLLM's drafting loop in cartspec's vLLM "
                   "plugin (vllm_plugin/hybrid.py), which vLLM loads only where cartspec is installed; vLLM's "
                   "images do not have it. Serve it with `cartspec serve "
@@ -191,6 +197,8 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
     sp = spec.speculative
     if sp.method == "hybrid":
         raise ExportRefused(HYBRID_REFUSED)
+    if sp.method == "schema":
+        raise ExportRefused(SCHEMA_REFUSED)
     if sp.method != "none" and sp.num_speculative_tokens is None:
         raise ExportRefused("an adaptive spec has no schedule until it is tuned: run `cartspec tune --run RUN` "
                             "and export the spec it writes (RUN/tuned.yaml)")
