@@ -170,3 +170,31 @@ def test_the_proposer_drafts_per_request_from_the_runners_batch(tok, tokenizer_d
     assert "".join(dec(tok, out[1])).startswith("zeta")  # b's own schema has one key
     assert not "".join(dec(tok, out[0])).startswith("zeta")  # a follows the deployment's
     assert prop.propose([[], [reply[-1]]], n, rows)[0] == []  # no token this step: no draft
+
+
+def test_with_a_head_the_heads_draft_stands_where_the_grammar_accepts_it(tok, grammar):
+    """Hybrid rule ``schema``: the head's tokens stand while the grammar accepts them; from one it refuses,
+    the schema drafter drafts; inside a short string value a copy from the prompt replaces the head's."""
+    from cartspec.drafting import HybridConfig, propose
+
+    prompt = tok("show me wireless headphones", add_special_tokens=False).input_ids
+    reply = tok('{"intent": "search", "keywords": "wire', add_special_tokens=False).input_ids
+    cfg = HybridConfig(rule="schema")
+    # a value the head continues wrong: the prompt's word it begins replaces the head's tokens
+    wrong = tok("d cats dogs", add_special_tokens=False).input_ids[:3]
+    d = propose(wrong, prompt + reply, len(prompt), cfg, schema=grammar)
+    assert len(d) == 3 and tok.decode(d).startswith("less"), tok.decode(d)
+    # structure the head gets right stands as it is
+    tr = grammar.track(prompt)
+    done = tok('{"intent": "search", "keywords": "wireless headphones"', add_special_tokens=False).input_ids
+    tr.feed(done)
+    good = tok(', "category', add_special_tokens=False).input_ids[:3]
+    assert tr.combine(good) == good
+    # a token the grammar refuses (a key the schema lacks) is replaced by the schema drafter's draft
+    bad = tok(', "colour', add_special_tokens=False).input_ids[:3]
+    fixed = tr.combine(bad)
+    assert fixed != bad and tok.decode(fixed).startswith(', "')
+    m = tr.matcher.fork()
+    assert all(m.accept_token(t) for t in fixed)
+    with pytest.raises(ValueError, match="compiled schema"):
+        propose(good, prompt + done, len(prompt), cfg)  # rule schema without the schema
