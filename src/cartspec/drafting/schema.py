@@ -13,7 +13,8 @@ itself) and drafts text in two kinds of pieces until it has ``k`` tokens:
   3. an enum value the prompt names (``"free_shipping"`` for "free shipping"), then a key whose enum values
      the prompt names, then the next key in the schema's order;
   4. a number the prompt holds and the reply has not used yet; ``true``;
-  5. ``]`` (an array of one), a comma while keys remain, ``}``.
+  5. ``]`` (an array of one); ``}`` where at most ``LAST_KEYS`` keys may follow and the prompt names none
+     of them; a comma while keys remain; ``}``.
 
 The drafted text is tokenized with the served tokenizer as one piece (so ``"`` and ``, `` become the one
 token ``",`` that the model writes) and cut at ``k`` tokens and at the first token the grammar refuses.
@@ -39,6 +40,7 @@ from .lookup import lookup as ngram_lookup
 FORMATS = ((", ", ": "), (",", ":"))  # the separators a reply may write, in the order a track tries them
 TRACKS = 512  # requests whose track ``SchemaGrammar.track_for`` keeps (a server's requests in flight)
 MAX_PIECES = 32
+LAST_KEYS = 2  # chosen on the dev split's greedy replies (docs/drafting.md)
 SHORT_VALUE = 24  # characters: a string value this long so far is a copied value, not free text (``combine``)  # forced/chosen pieces per draft, a bound on the loop
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'&.+-]*")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?")
@@ -343,6 +345,18 @@ class Track:
         yield '"'
         yield "true"
         yield "]"
+        if self._object_ends(m):
+            yield "}"
         yield ", "
         yield ","
         yield "}"
+
+    def _object_ends(self, m: Any) -> bool:
+        """At most ``LAST_KEYS`` keys may still follow and the prompt names none of them (nor, for an enum
+        key, any of its values): the object most likely ends here."""
+        vocab = self.g.vocab
+        left = [k for k in vocab.keys if m.fork().accept_string(f', "{k}"') or m.fork().accept_string(f',"{k}"')]
+        if len(left) > LAST_KEYS:
+            return False
+        return not any(_named(k, self.text) or any(_named(v, self.text) for v in vocab.enums.get(k, ()))
+                       for k in left)
