@@ -234,28 +234,24 @@ def ngram_propose(context: Sequence[int], gamma: int, n_min: int = 2, n_max: int
     return []
 
 
+class _NgramTrack:
+    """vLLM's n-gram proposer as a per-request track (``simulate_proposer``): it reads prompt + reply."""
+
+    def __init__(self, prompt: Sequence[int], n_min: int, n_max: int):
+        self.prompt, self.ctx, self.n_min, self.n_max = list(prompt), list(prompt), n_min, n_max
+
+    def feed(self, reply: Sequence[int]) -> None:
+        self.ctx = self.prompt + list(reply)
+
+    def draft(self, k: int) -> list[int]:
+        return ngram_propose(self.ctx, k, self.n_min, self.n_max)
+
+
 def simulate_ngram(sequences: Sequence[tuple[Sequence[int], int]], gamma: int, n_min: int = 2, n_max: int = 4,
                    classes: Sequence[Sequence[str]] | None = None) -> tuple[dict[str, Any], list[list[Step]]]:
     """Prompt-lookup drafting on greedy outputs ``(tokens, prompt_len)``; steps with no
     match propose nothing (vLLM skips them: they are not verify steps with drafts)."""
-    all_steps = []
-    for s, (toks, P) in enumerate(sequences):
-        L = len(toks)
-        steps = []
-        j = P  # last emitted position
-        while j < L - 1:
-            prop = ngram_propose(toks[:j + 1], gamma, n_min, n_max)
-            if not prop:
-                j += 1
-                continue
-            a = 0
-            while a < len(prop) and j + 1 + a < L and prop[a] == toks[j + 1 + a]:
-                a += 1
-            cls = [classes[s][j + 1 + k - P] for k in range(len(prop)) if j + 1 + k < L] if classes else []
-            steps.append(Step(a, len(prop), cls))
-            j += a + 1
-        all_steps.append(steps)
-    return summarize(all_steps, gamma), all_steps
+    return simulate_proposer(sequences, gamma, lambda prompt: _NgramTrack(prompt, n_min, n_max), classes)
 
 
 def simulate_proposer(sequences: Sequence[tuple[Sequence[int], int]], gamma: int,
