@@ -8,6 +8,8 @@ Shared by the simulator (``draft.simulate``), the acceptance measurement and the
 * ``lookup``: vLLM's n-gram lookup. ``copying``: where a value's copy comes from in the prompt.
 * ``tokens``: what the copy rules read of each token's text. ``gate``: the head's gate.
 * ``pointer``: the trained pointer (which word of the prompt a value copies); trained by ``draft.pointer``.
+* ``schema``: the schema drafter (a reply followed through its JSON schema's grammar; no head), alone
+  (vLLM's ``custom_class``, ``vllm_plugin.schema``) or with a head (rule ``schema``).
 """
 
 from .config import DEFAULT, HEAD_P, KEY, NEEDS_TOKENS, RULES, HybridConfig, default_rule  # noqa: F401
