@@ -285,14 +285,6 @@ def _alignment(results, outputs, classes, gamma, spec, tokenizer=None) -> dict[s
             f"{agree}/{len(results)} requests"}
 
 
-def _reply_schema(method: str, gamma: int, reply_schema: str | None, hybrid: Any = None) -> dict[str, Any]:
-    """The schema the drafter follows, as a deployment resolves it (``Speculative.schema_dict``)."""
-    from ..serving.spec import Speculative
-
-    return Speculative(method=method, num_speculative_tokens=gamma, reply_schema=reply_schema, hybrid=hybrid,
-                       model="-" if method == "hybrid" else None).schema_dict()
-
-
 def schema_tracks(tokenizer, schema: dict[str, Any]) -> Callable[[Sequence[int]], Any]:
     """``prompt -> Track`` of the schema drafter over ``schema`` (``drafting.schema``)."""
     from ..drafting.schema import SchemaGrammar
@@ -359,7 +351,9 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
         if hybrid.rule == "schema":
             from ..drafting.schema import SchemaGrammar
 
-            grammar = SchemaGrammar(tok, _reply_schema("hybrid", gamma, reply_schema, hybrid))
+            from ..serving.spec import reply_schema_of
+
+            grammar = SchemaGrammar(tok, reply_schema_of(reply_schema))
         preds, probs = head_predictions(h, embed, fs, gamma)
         summary, steps = simulate_hybrid(preds, fs, gamma, hybrid, classes, info, pointer,
                                          probs if hybrid.head_p > 0 else None, grammar)
@@ -368,10 +362,10 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
     elif method in ("ngram", "schema"):
         seqs = [(list(r["prompt_ids"]) + list(r["output_ids"]), len(r["prompt_ids"])) for r in records]
         if method == "schema":
+            from ..serving.spec import reply_schema_of
             from .simulate import simulate_proposer
 
-            summary, _ = simulate_proposer(seqs, gamma, schema_tracks(tok, _reply_schema(method, gamma, reply_schema)),
-                                           classes)
+            summary, _ = simulate_proposer(seqs, gamma, schema_tracks(tok, reply_schema_of(reply_schema)), classes)
         else:
             summary, _ = simulate_ngram(seqs, gamma, 2, 4, classes)
     else:

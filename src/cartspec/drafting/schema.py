@@ -10,8 +10,8 @@ itself) and drafts text in two kinds of pieces until it has ``k`` tokens:
   1. the prompt's continuation of the reply's last tokens (vLLM's n-gram lookup, ``drafting.lookup``):
      a multi-turn prompt holds earlier replies, and a value copied from the request continues as in it;
   2. inside a string value that has begun, the rest of the prompt's word it begins;
-  3. an enum value the prompt names (``"free_shipping"`` for "free shipping"), then a key whose enum values
-     the prompt names, then the next key in the schema's order;
+  3. an enum value the prompt names (``"free_shipping"`` for "free shipping"), then the next key in the
+     schema's order;
   4. a number the prompt holds and the reply has not used yet; ``true``;
   5. ``]`` (an array of one); ``}`` where at most ``LAST_KEYS`` keys may follow and the prompt names none
      of them; a comma while keys remain; ``}``.
@@ -34,17 +34,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-from ..task.schema import union  # noqa: F401  (re-exported: one schema for several reply types)
 from .lookup import lookup as ngram_lookup
 
 FORMATS = ((", ", ": "), (",", ":"))  # the separators a reply may write, in the order a track tries them
 TRACKS = 512  # requests whose track ``SchemaGrammar.track_for`` keeps (a server's requests in flight)
-MAX_PIECES = 32
+MAX_PIECES = 32  # forced/chosen pieces per draft, a bound on the loop
 LAST_KEYS = 2  # chosen on the dev split's greedy replies (docs/drafting.md)
-SHORT_VALUE = 24  # characters: a string value this long so far is a copied value, not free text (``combine``)  # forced/chosen pieces per draft, a bound on the loop
+SHORT_VALUE = 24  # characters: a string value this long so far is a copied value, not free text (``combine``)
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'&.+-]*")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?")
-KEY_ORDER = "schema"
 _PROBE = "Qz\u00e9"  # text no key starts with: accepted only inside a free string
 
 
@@ -172,6 +170,11 @@ class Track:
         self.text = text.lower()
         self.numbers = _NUMBER.findall(text)
         self.words = {m.group(0).lower() for m in _WORD.finditer(text)}
+        # what the prompt names, once per request: enum values, and keys named or with a value named
+        vocab = grammar.vocab
+        self.named_values = [v for vals in vocab.enums.values() for v in vals if _named(v, self.text)]
+        self.named_keys = {k for k in vocab.keys if _named(k, self.text) or
+                           any(_named(v, self.text) for v in vocab.enums.get(k, ()))}
         self.format = 0  # which of ``FORMATS`` the reply follows
         self.matcher = xgr.GrammarMatcher(grammar.compiled[0], terminate_without_stop_token=True)
         self.reply: list[int] = []
@@ -327,16 +330,10 @@ class Track:
             for w in list(vocab.keys) + [v for vals in vocab.enums.values() for v in vals]:
                 if w.startswith(p) and len(w) > len(p):
                     yield w[len(p):] + '"'
-        for v in (v for vals in vocab.enums.values() for v in vals if _named(v, self.text)):
+        for v in self.named_values:
             yield f'"{v}"'
             yield f'{v}"'
-        keys = list(vocab.keys)
-        if KEY_ORDER == "named":
-            keys = [key for key in keys if any(_named(v, self.text) for v in vocab.enums.get(key, ()))] + keys
-        elif KEY_ORDER == "skip":
-            keys = [key for key in keys if key not in vocab.enums or
-                    any(_named(v, self.text) for v in vocab.enums[key])] + keys
-        for key in keys:
+        for key in vocab.keys:
             yield f'"{key}"'
             yield f'{key}"'
         for n in self.numbers:
@@ -358,5 +355,4 @@ class Track:
         left = [k for k in vocab.keys if m.fork().accept_string(f', "{k}"') or m.fork().accept_string(f',"{k}"')]
         if len(left) > LAST_KEYS:
             return False
-        return not any(_named(k, self.text) or any(_named(v, self.text) for v in vocab.enums.get(k, ()))
-                       for k in left)
+        return not any(k in self.named_keys for k in left)

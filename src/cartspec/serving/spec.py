@@ -197,17 +197,23 @@ class Speculative(BaseModel):
         task's replies; None where the method drafts from no schema (``follows_schema``)."""
         if not self.follows_schema:
             return None
-        if self.reply_schema is None:
-            from ..task.schema import reply_schema
+        return reply_schema_of(self.reply_schema)
 
-            return reply_schema()
-        path = Path(self.reply_schema).expanduser()
-        try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ValueError(f"reply_schema {path} does not exist: give a JSON schema file") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"reply_schema {path} is not JSON ({exc}): give a JSON schema file") from None
+
+def reply_schema_of(path: str | None) -> dict[str, Any]:
+    """The schema drafter's schema for requests that send none: the JSON schema file ``path``, else (None) the
+    commerce task's replies. A missing or unreadable file is a ValueError that says what to give."""
+    if path is None:
+        from ..task.schema import reply_schema
+
+        return reply_schema()
+    p = Path(path).expanduser()
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"reply_schema {p} does not exist: give a JSON schema file") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"reply_schema {p} is not JSON ({exc}): give a JSON schema file") from None
 
 
 SCALE_FIELDS = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "enable_prefix_caching",

@@ -46,6 +46,7 @@ class Schemas:
         self.tokenizer = AutoTokenizer.from_pretrained(str(getattr(mc, "tokenizer", None) or mc.model))
         self.compiler = None
         self.grammars: dict[str, Any] = {}
+        self._default = None
 
     def grammar(self, schema: Any):
         """The compiled grammar of ``schema`` (a dict or its JSON), compiled once per schema."""
@@ -67,8 +68,13 @@ class Schemas:
         """The request's ``SchemaGrammar``: its own schema, else the deployment's; None: neither."""
         state = getattr(runner, "requests", {}).get(req_id)
         so = getattr(getattr(state, "sampling_params", None), "structured_outputs", None)
-        schema = so.json if so is not None and getattr(so, "json", None) is not None else self.default
-        return None if schema is None else self.grammar(schema)
+        if so is not None and getattr(so, "json", None) is not None:
+            return self.grammar(so.json)
+        if self.default is None:
+            return None
+        if self._default is None:  # asked per request and step (the hybrid): compiled and keyed once
+            self._default = self.grammar(self.default)
+        return self._default
 
 
 def runner_schemas(runner: Any) -> Schemas:

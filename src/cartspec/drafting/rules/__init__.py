@@ -15,8 +15,8 @@ retired them: docs/drafting.md and docs/experiments.md):
 * ``anchor``: ``lookup`` plus a value's first token looked up alone (``copying.anchor_lookup``).
 * ``text``: ``anchor`` plus the value's text found in the prompt's text (``copying.text_lookup``).
 * ``pointer`` (the default): ``text`` plus a trained pointer that picks which word a value copies.
-* ``schema``: the head's draft with the reply's JSON schema (``drafting.schema``): forced tokens replace the
-  head's guesses, the head drafts what the grammar leaves open.
+* ``schema``: the head's draft checked against the reply's JSON schema (``drafting.schema``): the schema
+  drafter's copies in short values and its drafts from the first token the grammar refuses.
 
 ``lookup``, ``agree``, ``anchor`` and ``text`` are kept as baselines of the tests and the simulator; none of
 them drafted above the head alone on hand-written requests.

@@ -1,7 +1,6 @@
-"""Rule ``schema``: the head's draft with the reply's JSON schema (``drafting.schema``). Where the grammar
-forces the next token it replaces the head's guess; where it leaves a choice (a value, which key comes next)
-the head's token stands while the grammar accepts it; past a replaced or refused token the schema drafter
-drafts the rest. A reply that is not the schema's JSON (a free-text answer) keeps the head's draft. A
+"""Rule ``schema``: the head's draft with the reply's JSON schema (``drafting.schema``, ``Track.combine``). The
+head's tokens stand while the grammar accepts them; inside a short string value a copy the schema drafter
+finds in the prompt replaces them; from a token the grammar refuses, the schema drafter drafts the rest. A reply that is not the schema's JSON (a free-text answer) keeps the head's draft. A
 draft shorter than the head's is filled up with the head's tokens (vLLM verifies ``k`` tokens per request
 in EAGLE's batch; they are likely rejected and cost what the head's own would)."""
 
