@@ -84,10 +84,12 @@ def test_presets_match_the_published_grid(monkeypatch, suffix):
 
     monkeypatch.setattr(plan_mod, "suffix_available", lambda: suffix)
     p = preset("paper")
-    # the published study's deployments, the schedule tuned here, the hybrid at γ=3 and 5, then the drafters
-    # that need no head (n-gram, the schema drafter) and suffix decoding where it is installed
+    # the published study's deployments, the schedule tuned here, the draft cut per request, the hybrid at γ=3
+    # and 5, then the drafters that need no head (n-gram, the schema drafter) and suffix decoding where it is
+    # installed
     assert [d.label for d in p.deployments] == ["baseline", "eagle3-domain-g3", "eagle3-domain-g5",
-                                                "eagle3-domain-auto", "hybrid-domain-g3", "hybrid-domain-g5",
+                                                "eagle3-domain-auto", "eagle3-domain-stop0.5-g5",
+                                                "hybrid-domain-g3", "hybrid-domain-g5",
                                                 "ngram-g3", "schema-g3", *(["suffix-g3"] if suffix else [])]
     assert p.interleave == 4  # the four deployments the adaptive verdict compares are measured side by side
     assert p.concurrencies == [1, 2, 4, 8, 16, 32] and p.temperatures == [0.0, 0.5]

@@ -327,7 +327,11 @@ class PointResult(BaseModel):
     json_valid: float | None = None  # share of answered requests whose reply parses as JSON
     exact_match: float | None = None  # share of answered requests with gold whose reply equals it, all fields
     acceptance: AcceptanceStats | None = Field(None, validation_alias=AliasChoices("acceptance", "spec"))
+    engine_steps: dict[str, dict[str, float]] | None = Field(
+        None, description="the engine's steps during the point, by batch bucket: steps, draft_s, verify_s, requests, "
+                          "tokens, drafted, kept (cartspec's vLLM plugin, vllm_plugin.steps); None: not known")
     deployment: DeploymentInfo | None = None
+    _without_unknown_steps = omit_when_none("engine_steps")
     machine: Machine | None = None
     records: list[RequestRecord] = Field(default_factory=list)
     slices: list[PointSlice] = Field(default_factory=list, description="a point measured in rounds: each "

@@ -91,7 +91,8 @@ def study(
     server_api_key_env: Optional[str] = server_api_key_env_option(records="run.json"),
     deployments: Optional[str] = typer.Option(
         None, help="comma list replacing the preset's: baseline, ngram:3, eagle3:domain:3, eagle3:PATH:5, "
-                   "eagle3:domain:auto (γ per batch size tuned for this machine), hybrid:domain:3 (EAGLE-3 + prompt lookup), "
+                   "eagle3:domain:auto (γ per batch size tuned for this machine), eagle3:domain:5:stop (each request's draft "
+                   "cut where the head is unsure), hybrid:domain:3 (EAGLE-3 + prompt lookup), "
                    "hybrid-pointer:domain:3 (with a rule: lookup, text, pointer...) (with --server: what that endpoint runs, for labels)"),
     spec_files: Optional[str] = typer.Option(
         None, "--spec", help="comma list of DeploymentSpec files (YAML/TOML/JSON, e.g. from `cartspec tune`), "

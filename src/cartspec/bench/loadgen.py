@@ -20,6 +20,7 @@ import json
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Sequence, TypeVar
 
 import httpx
@@ -72,6 +73,8 @@ class LoadResult:
     wall_s: float
     acceptance: AcceptanceStats | None
     n_warmup: int = 0
+    # the engine's steps during the measured load, by batch bucket (``vllm_plugin.steps``); None: not known
+    engine_steps: dict[str, dict[str, float]] | None = None
 
 
 def body_for(model: str, req: ChatRequest, temperature: float, seed: int | None) -> dict[str, Any]:
@@ -223,11 +226,14 @@ async def open_loop(send: Callable[[int, ChatRequest], Awaitable[RequestRecord]]
 
 
 async def run_load(base_url: str, model: str, requests: Sequence[ChatRequest], cfg: LoadConfig,
-                   on_done: OnDone | None = None, api_key: str | None = None, metrics: bool = True) -> LoadResult:
+                   on_done: OnDone | None = None, api_key: str | None = None, metrics: bool = True,
+                   step_stats: Path | None = None) -> LoadResult:
     """Warm up, read the counters, run the measured load, read the counters again.
 
     ``metrics=False``: the endpoint has no ``/metrics`` (not vLLM, or not exposed); acceptance then
-    comes from the replies' per-request metrics when they carry any, else the point has none."""
+    comes from the replies' per-request metrics when they carry any, else the point has none.
+    ``step_stats``: the engine's step-time file (``vllm_plugin.steps``), read before and after the same way."""
+    from ..vllm_plugin import steps
     if not requests:
         raise ValueError("no requests to send")
     headers = auth_headers(api_key)
@@ -250,6 +256,7 @@ async def run_load(base_url: str, model: str, requests: Sequence[ChatRequest], c
             await closed_loop(sender(1_000_000), warm, min(cfg.concurrency, cfg.warmup) if cfg.mode == "closed"
                               else min(cfg.warmup, 8), cfg.warmup)
         before = await scrape(http, base_url) if metrics else None
+        steps_before = steps.read(step_stats)
         if cfg.mode == "closed":
             records, wall = await closed_loop(sender(0), requests, cfg.concurrency, cfg.n_requests,
                                               cfg.duration_s, on_done, offset=cfg.offset)
@@ -259,11 +266,15 @@ async def run_load(base_url: str, model: str, requests: Sequence[ChatRequest], c
             records, wall = await open_loop(sender(0), requests, cfg.rate, cfg.n_requests, cfg.duration_s,
                                             cfg.seed, on_done, offset=cfg.offset)
         after = await scrape(http, base_url) if metrics else None
+        if step_stats is not None:
+            await asyncio.sleep(steps.EVERY_S + 0.05)  # the engine writes its counters every EVERY_S
+    engine_steps = steps.difference(steps.read(step_stats), steps_before) if step_stats is not None else None
     acceptance = (after - before).stats() if before is not None and after is not None else None
     if acceptance is None:
         acceptance = stats_from_responses([r.request_spec_metrics for r in records if r.request_spec_metrics])
     records.sort(key=lambda r: r.start)
-    return LoadResult(records=records, wall_s=wall, acceptance=acceptance, n_warmup=cfg.warmup)
+    return LoadResult(records=records, wall_s=wall, acceptance=acceptance, n_warmup=cfg.warmup,
+                      engine_steps=engine_steps or None)
 
 
 def chat_requests(reqs: Iterable[Any], max_tokens: int, structured: bool = False) -> list[ChatRequest]:

@@ -77,13 +77,25 @@ def baseline(model: str) -> DeploymentSpec:
 
 
 def spec_deployment(model: str, method: str, gamma: int, head: str | None = None,
-                    rule: str | None = None) -> DeploymentSpec:
-    """``rule``: the hybrid's (``drafting.config.RULES``; None: its default)."""
+                    rule: str | None = None, draft_stop: float | None = None) -> DeploymentSpec:
+    """``rule``: the hybrid's (``drafting.config.RULES``; None: its default); ``draft_stop``: EAGLE-3's draft cut
+    per request where the head's path probability falls below it (``drafting.length``)."""
     from ..drafting.config import HybridConfig
 
     hybrid = HybridConfig(rule=rule) if rule else None
     return DeploymentSpec(model=model, speculative=Speculative(method=method, num_speculative_tokens=gamma,
-                                                               model=head, hybrid=hybrid))
+                                                               model=head, hybrid=hybrid, draft_stop=draft_stop))
+
+
+def _stop(text: str, whole: str) -> float:
+    """``stop`` (the default, ``drafting.length.STOP_P``) or ``stopP`` (``stop0.6``) -> the threshold."""
+    from ..drafting.length import STOP_P, check_stop_p
+
+    value = text[len("stop"):]
+    try:
+        return check_stop_p(float(value)) if value else STOP_P
+    except ValueError as exc:
+        raise ValueError(f"cannot read deployment {whole!r}: {exc}") from None
 
 
 def adaptive_deployment(model: str, head: str) -> DeploymentSpec:
@@ -95,8 +107,12 @@ def parse_deployment(text: str, model: str) -> DeploymentSpec:
     """``baseline`` | ``ngram:3`` | ``schema:3`` (drafts from the reply's JSON schema and the prompt, no head) |
     ``eagle3:domain:3`` | ``eagle3:/path/to/head:5`` | ``eagle3:domain:auto``
     (γ per batch size, tuned for this machine) | ``hybrid:domain:3`` (EAGLE-3 + prompt lookup) |
-    ``hybrid-pointer:domain:3`` (the hybrid with that rule, ``drafting.config.RULES``) -> a spec."""
+    ``hybrid-pointer:domain:3`` (the hybrid with that rule, ``drafting.config.RULES``) |
+    ``eagle3:domain:5:stop`` (EAGLE-3 drafting up to 5 tokens, each request's draft cut where the head's path
+    probability falls below ``drafting.length.STOP_P``; ``:stop0.6`` another threshold) -> a spec."""
     parts = text.split(":")
+    if parts[0] == "eagle3" and len(parts) >= 4 and parts[-1].startswith("stop"):
+        return spec_deployment(model, "eagle3", int(parts[-2]), ":".join(parts[1:-2]), draft_stop=_stop(parts[-1], text))
     if parts[0].startswith("hybrid-") and len(parts) >= 3:
         from ..drafting.config import RULES
 
@@ -114,8 +130,8 @@ def parse_deployment(text: str, model: str) -> DeploymentSpec:
         return spec_deployment(model, parts[0], int(parts[1]))
     if parts[0] in ("eagle3", "draft_model", "hybrid") and len(parts) >= 3:
         return spec_deployment(model, parts[0], int(parts[-1]), ":".join(parts[1:-1]))
-    raise ValueError(f"cannot read deployment {text!r}: use baseline, ngram:γ, schema:γ, eagle3:HEAD:γ, eagle3:HEAD:auto "
-                     "hybrid:HEAD:γ or hybrid-RULE:HEAD:γ")
+    raise ValueError(f"cannot read deployment {text!r}: use baseline, ngram:γ, schema:γ, eagle3:HEAD:γ, eagle3:HEAD:auto, "
+                     "eagle3:HEAD:γ:stop, hybrid:HEAD:γ or hybrid-RULE:HEAD:γ")
 
 
 SUFFIX_MISSING = ("suffix decoding needs the arctic-inference package (vLLM imports its suffix tree), which is "
@@ -169,10 +185,14 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
     drafter beside the head, the deployments
     up at once and measured in turn. ``calibrate``: what the cost model and
     ``cartspec tune`` need on a new machine (the baseline and the head at γ=5 at three loads), in minutes."""
+    from ..drafting.length import STOP_P
+
     if name == "paper":
         return SweepPlan(name="paper", deployments=[
             baseline(model), spec_deployment(model, "eagle3", 3, head),
             spec_deployment(model, "eagle3", 5, head), adaptive_deployment(model, head),
+            # draft length per request (up to γ=5, cut where the head's path probability falls below STOP_P)
+            spec_deployment(model, "eagle3", 5, head, draft_stop=STOP_P),
             # the hybrid with its default rule for the target (the pointer for the bundled model), as serve
             # deploys it
             spec_deployment(model, "hybrid", 3, head), spec_deployment(model, "hybrid", 5, head),

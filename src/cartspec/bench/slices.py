@@ -61,7 +61,7 @@ def measure_slice(cfg: PointConfig, ep: Endpoint, info: DeploymentInfo, machine:
                           temperature=cfg.temperature, seed=cfg.seed)
         result = asyncio.run(run_load(ep.url, ep.served_name, requests, load,
                                       on_done=lambda r: reporter.request_done(r.ok), api_key=ep.api_key,
-                                      metrics=ep.has_metrics))
+                                      metrics=ep.has_metrics, step_stats=ep.step_stats_path))
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}"
         if not ep.alive():
@@ -89,12 +89,18 @@ def merged_point(cfg: PointConfig, slices: Sequence[Slice], info: DeploymentInfo
     before it), wall times and acceptance counters summed; each slice's own figures kept in ``slices``."""
     records: list[RequestRecord] = []
     acceptance = None
+    engine_steps: dict[str, dict[str, float]] = {}
     shift = 0.0
     for s in slices:
         records += [rec.model_copy(update={"start": rec.start + shift}) for rec in s.load.records]
         shift += s.load.wall_s
         if s.load.acceptance is not None:
             acceptance = s.load.acceptance if acceptance is None else acceptance + s.load.acceptance
+        if s.load.engine_steps:
+            for b, row in s.load.engine_steps.items():
+                acc = engine_steps.setdefault(b, {})
+                for f, v in row.items():
+                    acc[f] = acc.get(f, 0.0) + v
     scores = score_replies(records, slices[0].requests)
     json_valid, exact = reply_quality(scores)
     records = with_scores(records, scores)
@@ -104,6 +110,7 @@ def merged_point(cfg: PointConfig, slices: Sequence[Slice], info: DeploymentInfo
     res = PointResult.measured(cfg, records, shift, acceptance, started_at=slices[0].started_at,
                                machine=machine, deployment=info, n_warmup=sum(s.load.n_warmup for s in slices),
                                json_valid=json_valid, exact_match=exact, slices=parts,
+                               engine_steps=engine_steps or None,
                                beside=list(beside) if parts else [])
     if res.n_errors == res.n_requests:
         first = next((r.error for r in records if r.error), "")

@@ -149,6 +149,11 @@ class Endpoint:
         return self._versions
 
     @property
+    def step_stats_path(self) -> "Path | None":
+        """The engine's step-time file (``vllm_plugin.steps``) where this process started the vLLM, else None."""
+        return self.server.step_stats_path if self.server is not None else None
+
+    @property
     def has_metrics(self) -> bool:
         """Whether vLLM's Prometheus ``/metrics`` answers here now (NIM and hosted APIs: 404 or 401)."""
         try:

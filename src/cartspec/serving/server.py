@@ -104,6 +104,13 @@ VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 NEEDS_PATCH = {"hybrid": ("hybrid",), "schema": ("schema_batch",)}
 
 
+def needs_patches(spec: DeploymentSpec) -> tuple[str, ...]:
+    """The plugin's patches this deployment cannot draft as asked without (``NEEDS_PATCH``, and ``draft_stop``
+    for a draft cut per request)."""
+    sp = spec.speculative
+    return NEEDS_PATCH.get(sp.method, ()) + (("draft_stop",) if sp.draft_stop is not None else ())
+
+
 class VllmServer:
     """Context manager owning one vLLM OpenAI-compatible server.
 
@@ -123,6 +130,8 @@ class VllmServer:
         self._watch_fd: int | None = None
         self._log = None
         self.log_path = self.log_dir / f"vllm-{spec.name}-{spec.label}-{self.port}.log"
+        # where cartspec's vLLM plugin writes the engine's step times (``vllm_plugin.steps``)
+        self.step_stats_path = self.log_path.with_suffix(".steps.json")
 
     # --- command line -----------------------------------------------------
     def _resolve(self) -> tuple[Path, str | None]:
@@ -170,6 +179,9 @@ class VllmServer:
         plugins = env.get("VLLM_PLUGINS")
         if plugins is not None and "cartspec" not in [p.strip() for p in plugins.split(",")]:
             env["VLLM_PLUGINS"] = ",".join(p for p in (plugins.strip(), "cartspec") if p)
+        from ..vllm_plugin.steps import ENV as STEP_STATS
+
+        env.setdefault(STEP_STATS, str(self.step_stats_path.resolve()))
         return env
 
     # --- lifecycle --------------------------------------------------------
@@ -194,7 +206,7 @@ class VllmServer:
             self._start_watchdog(self.proc.pid)
             self._wait_healthy(self.spec.start_timeout_s)
             self.patches = self._patch_report(VLLM_MODULE in cmd,
-                                              needs=NEEDS_PATCH.get(self.spec.speculative.method, ()))
+                                              needs=needs_patches(self.spec))
         except BaseException:
             self.stop()
             raise

@@ -49,13 +49,18 @@ class Speculative(BaseModel):
         None, description="method schema: a JSON schema file the drafter follows for requests that send no "
                           "response_format; absent: the commerce task's replies (search parameters or a support "
                           "reply)")
+    draft_stop: float | None = Field(
+        None, gt=0, lt=1, description="method eagle3: draft length per request and per step: each request's draft is "
+                                      "cut where the head's probability of the path drafted so far falls below "
+                                      "this (drafting.length; STOP_P is the default a deployment label's `:stop` "
+                                      "gives); absent: vLLM's fixed γ")
     schedule: list[tuple[int, int, int]] | None = Field(
         None, description="per-batch-size γ: [(lo, hi, k), ...] -> num_speculative_tokens_per_batch_size")
     adaptive: bool = Field(False, description="γ per batch size tuned for this machine (`cartspec tune`); the "
                                               "schedule is filled in when the deployment starts")
 
     # only a hybrid with settings written out carries the block; a schema drafter with its own schema, the file
-    _without_absent = omit_when_none("hybrid", "reply_schema")
+    _without_absent = omit_when_none("hybrid", "reply_schema", "draft_stop")
 
     @model_validator(mode="before")
     @classmethod
@@ -100,6 +105,8 @@ class Speculative(BaseModel):
             raise ValueError(f"method {self.method!r} needs model (a head or draft model)")
         if self.method != "hybrid" and self.hybrid is not None:
             raise ValueError("hybrid is a setting of method 'hybrid'")
+        if self.draft_stop is not None and self.method != "eagle3":
+            raise ValueError("draft_stop (draft length per request) is a setting of method 'eagle3'")
         if not self.follows_schema and self.reply_schema is not None:
             raise ValueError("reply_schema is a setting of method 'schema' (and of a hybrid with rule 'schema')")
         if self.method == "schema" and self.model:
@@ -118,6 +125,8 @@ class Speculative(BaseModel):
         head = f"-{Path(self.model).name}" if self.method in ("eagle3", "hybrid") and self.model else ""
         if self.method == "hybrid" and self.hybrid is not None:  # rules differ in what they draft: say which
             head += f"-{self.hybrid.rule}"
+        if self.draft_stop is not None:  # cut per request: say at what, so it never shares a fixed γ's label
+            head += f"-stop{self.draft_stop:g}"
         if self.adaptive:
             return f"{self.method}{head}-auto"
         if self.schedule:  # an explicit schedule: say which, so it never shares a label with a fixed γ
@@ -184,6 +193,10 @@ class Speculative(BaseModel):
             from ..drafting.config import KEY
 
             out[KEY] = cfg.to_dict()
+        if self.draft_stop is not None:
+            from ..drafting.length import KEY as STOP_KEY
+
+            out[STOP_KEY] = {"p": self.draft_stop}
         return out
 
     @property

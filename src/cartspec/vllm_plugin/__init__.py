@@ -17,8 +17,12 @@ The patches (``PATCHES``), in the order they are applied (and wrap one another):
 * ``hybrid`` (``hybrid.py``): the hybrid drafter, in a ``method: hybrid`` deployment only.
 * ``schema_batch`` (``schema.py``): gives the schema drafter, a ``custom_class`` proposer, the runner's
   batch (request ids, prompt lengths, each request's JSON schema), which vLLM's proposer call leaves out.
-* ``idle_drafter`` (``idle_drafter.py``, outermost of the runner's wraps, so it also skips the hybrid): a
+* ``draft_stop`` (``draft_stop.py``): an EAGLE-3 deployment with ``draft_stop`` cuts each request's draft
+  where the head's path probability falls below it (draft length per request).
+* ``idle_drafter`` (``idle_drafter.py``, the outermost wrap of the drafting, so it also skips the hybrid): a
   γ-per-batch-size schedule's γ = 0 steps skip the EAGLE drafter's forward pass.
+* ``step_stats`` (``steps.py``, outermost): times each engine step's drafting and verifying, by batch size,
+  into a file the agent's ``/metrics``, its trace lines and the study's points read.
 
 Each reports ``applied``, ``skipped`` with its reason, or ``failed`` with its reason, once per process, in
 the server's log (``registry``); ``cartspec doctor`` prints the same for this machine. With the pinned vLLM
@@ -45,9 +49,10 @@ def env_mode(name: str, modes: tuple[str, ...]) -> str:
 
 def patches() -> tuple:
     """Every patch, in the order they are applied."""
-    from . import cpu_expand, cpu_generators, hybrid, idle_drafter, recovered_noise, schema
+    from . import cpu_expand, cpu_generators, draft_stop, hybrid, idle_drafter, recovered_noise, schema, steps
 
-    return (cpu_expand.PATCH, recovered_noise.PATCH, cpu_generators.PATCH, hybrid.PATCH, schema.PATCH, idle_drafter.PATCH)
+    return (cpu_expand.PATCH, recovered_noise.PATCH, cpu_generators.PATCH, hybrid.PATCH, schema.PATCH,
+            draft_stop.PATCH, idle_drafter.PATCH, steps.PATCH)
 
 
 def register() -> None:

@@ -1,0 +1,135 @@
+"""Patch ``draft_stop``: draft length per request and per step, in an EAGLE-3 deployment that asks for it.
+
+What it does (the rule: ``drafting.length``): each request's draft is cut where the head's probability of
+the path drafted so far falls below the deployment's threshold, so the target verifies only tokens the
+head is sure enough of. vLLM 0.32 drafts ``num_speculative_tokens`` for every request (a schedule sets it
+per batch size, never per request), and its speculative config takes no such setting; the threshold
+travels in vLLM's ``additional_config`` (``{"cartspec_draft_stop": {"p": θ}}``), which ``VllmServer`` sets
+for a spec with ``speculative.draft_stop``.
+
+Where it plugs in (vLLM 0.32 as installed):
+
+* the drafter's ``SpecDecodeBaseProposer._greedy_sample`` (vLLM's one place where each greedy draft token
+  is chosen) is wrapped on the instance: it computes the logits as vLLM does, takes vLLM's argmax, and
+  keeps the softmax probability of that token (``[batch]`` per position). The token choice is vLLM's.
+  A drafter that picks tokens another way (``use_local_argmax_reduction``, a heterogeneous vocabulary)
+  is left as it is, and nothing is cut;
+* ``GPUModelRunner.propose_draft_token_ids`` is wrapped: after vLLM's drafter returns its
+  ``[num_reqs, k]`` tensor, each row is cut to its kept length and the drafts go back as lists, which
+  vLLM's runner and scheduler take from every proposer (n-gram drafts are lists of any length).
+  Verification is vLLM's, on what is left: greedy replies stay the target's.
+
+A runner without the setting drafts as vLLM does. Counts of drafted and kept tokens go to the step
+statistics (``vllm_plugin.steps``).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from ..drafting.length import KEY, check_stop_p, kept_lengths
+from .registry import Patch, Target
+
+MODULE = "vllm.v1.worker.gpu_model_runner"
+
+
+def needed() -> str | None:
+    return None  # wrapped in every process; it cuts drafts only in a runner whose vLLM config asks (``stop_p``)
+
+
+def stop_p(runner) -> float | None:
+    """This runner's threshold: vLLM's ``additional_config`` under ``KEY``, read once per runner; None where
+    the deployment did not ask (drafts pass through)."""
+    try:
+        return runner._cartspec_stop_p
+    except AttributeError:
+        pass
+    extra = getattr(getattr(runner, "vllm_config", None), "additional_config", None) or {}
+    value = extra.get(KEY) if isinstance(extra, dict) else None
+    p = check_stop_p(value["p"]) if value else None
+    runner._cartspec_stop_p = p
+    if p is not None:
+        print(f"cartspec: draft length per request in this runner: stop where the draft's path probability "
+              f"< {p}", file=sys.stderr, flush=True)
+    return p
+
+
+def record_probs(drafter) -> list | None:
+    """Make the EAGLE drafter keep, per greedy draft position, its probability of the token it chose
+    (``[batch]`` float tensors); the list it appends to, emptied by the caller before each step; None for a
+    drafter that chooses its tokens another way (module doc)."""
+    if drafter is None or not hasattr(drafter, "_greedy_sample") or not hasattr(drafter, "model"):
+        return None
+    if getattr(drafter, "use_local_argmax_reduction", False) or getattr(drafter, "use_heterogeneous_vocab", False):
+        return None
+    probs = getattr(drafter, "_cartspec_probs", None)
+    if probs is not None:
+        return probs
+    probs = []
+
+    def _greedy_sample(hidden_states):
+        import torch
+
+        logits = drafter.model.compute_logits(hidden_states)
+        ids = logits.argmax(dim=-1)  # vLLM's own choice
+        with torch.no_grad():
+            lf = logits.float()
+            probs.append((lf.gather(-1, ids[:, None])[:, 0] - lf.logsumexp(dim=-1)).exp())
+        return ids
+
+    drafter._greedy_sample = _greedy_sample
+    drafter._cartspec_probs = probs
+    return probs
+
+
+def cut(drafts, probs: list, p: float, num_reqs: int):
+    """``drafts`` (``[num_reqs, k]``) as lists, each cut at its kept length; the drafts unchanged where the
+    recorded probabilities do not cover them (a step drafted otherwise). Returns (drafts, drafted, kept)."""
+    import torch
+
+    if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2 or drafts.shape[1] == 0:
+        return drafts, 0, 0
+    k = drafts.shape[1]
+    if len(probs) < k or any(t.shape[0] < num_reqs for t in probs[:k]):
+        return drafts, 0, 0
+    table = torch.stack([t[:num_reqs] for t in probs[:k]], dim=1)  # [num_reqs, k]
+    lengths = kept_lengths(table, p)
+    rows = drafts[:num_reqs].tolist()
+    out = [row[:n] for row, n in zip(rows, lengths)]
+    return out, k * len(rows), sum(lengths)
+
+
+def apply(mod) -> None:
+    """Wrap ``GPUModelRunner.propose_draft_token_ids`` (module doc)."""
+    runner_cls = mod.GPUModelRunner
+    original = runner_cls.propose_draft_token_ids
+
+    @functools.wraps(original)
+    def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+        p = stop_p(self)
+        if p is None or getattr(self.speculative_config, "method", None) != "eagle3":
+            return original(self, scheduler_output, *args, **kwargs)
+        probs = record_probs(getattr(self, "drafter", None))
+        if probs is None:
+            return original(self, scheduler_output, *args, **kwargs)
+        probs.clear()
+        drafts = original(self, scheduler_output, *args, **kwargs)
+        out, drafted, kept = cut(drafts, probs, p, self.input_batch.num_reqs)
+        if drafted:
+            from .steps import count_drafts
+
+            count_drafts(self, drafted, kept)
+        return out
+
+    runner_cls.propose_draft_token_ids = propose_draft_token_ids
+
+
+PATCH = Patch(
+    name="draft_stop", module=MODULE,
+    what="draft length per request: an EAGLE-3 draft is cut where the head's path probability falls below the "
+         "deployment's threshold",
+    targets=(Target(MODULE, "GPUModelRunner.propose_draft_token_ids", ("self", "scheduler_output")),
+             Target("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._greedy_sample",
+                    ("self", "hidden_states"))),
+    apply=apply, needed=needed)

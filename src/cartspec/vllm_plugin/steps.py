@@ -1,0 +1,191 @@
+"""Patch ``step_stats``: where an engine step's time goes, drafting against verifying, by batch size.
+
+vLLM 0.32's model runner does one engine step in two calls: ``execute_model`` (the target's forward over
+the scheduled tokens: the verify pass of the drafts, or a plain decode) and ``sample_tokens`` (sampling,
+the rejection sampler, and the drafter's ``propose_draft_token_ids`` for the next step, then the
+bookkeeping). This patch times the three, the drafting wrapped outermost (the head's forwards and every
+cartspec drafter: hybrid, schema, draft length), and counts per step:
+
+* ``draft_s``: ``propose_draft_token_ids``;
+* ``verify_s``: the rest of the step (the target's forward, sampling and verification, bookkeeping);
+* the requests in the batch and the tokens the target ran, and the tokens drafted and kept where a
+  draft is cut per request (``draft_stop``).
+
+Counts are kept per batch-size bucket (``BUCKETS``) and written, at most every ``EVERY_S`` seconds and
+atomically, as JSON to the file named by ``CARTSPEC_STEP_STATS`` (``VllmServer`` names one beside its
+log). ``read`` reads it back; the agent exports it in ``/metrics`` and its trace lines, and a study point
+records its own steps (the difference of two reads). Without the variable nothing is written.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .registry import Patch, Target
+
+MODULE = "vllm.v1.worker.gpu_model_runner"
+ENV = "CARTSPEC_STEP_STATS"
+EVERY_S = 0.2
+# batch-size buckets (requests in the step): their upper bounds; the last takes the rest
+BUCKETS = (1, 2, 4, 8, 16, 32)
+FIELDS = ("steps", "draft_s", "verify_s", "requests", "tokens", "drafted", "kept")
+
+
+def bucket_of(n: int) -> str:
+    """The bucket a batch of ``n`` requests counts in: ``"1"``, ``"2"``, ``"3-4"``, ..., ``"33+"``."""
+    lo = 1
+    for hi in BUCKETS:
+        if n <= hi:
+            return str(hi) if lo == hi else f"{lo}-{hi}"
+        lo = hi + 1
+    return f"{lo}+"
+
+
+class Stats:
+    """One process's counters (module doc)."""
+
+    def __init__(self, path: str | None):
+        self.path = Path(path) if path else None
+        self.by: dict[str, dict[str, float]] = {}
+        self.pending: dict[str, float] = {}  # the step being run: filled by the three wraps
+        self.last_write = 0.0
+        self.pid = os.getpid()
+
+    def add(self, field: str, value: float) -> None:
+        self.pending[field] = self.pending.get(field, 0.0) + value
+
+    def close_step(self, requests: int, tokens: int) -> None:
+        p, self.pending = self.pending, {}
+        row = self.by.setdefault(bucket_of(requests), dict.fromkeys(FIELDS, 0.0))
+        row["steps"] += 1
+        row["requests"] += requests
+        row["tokens"] += tokens
+        draft = p.get("draft_s", 0.0)
+        row["draft_s"] += draft
+        row["verify_s"] += max(p.get("step_s", 0.0) - draft, 0.0)
+        row["drafted"] += p.get("drafted", 0.0)
+        row["kept"] += p.get("kept", 0.0)
+        now = time.monotonic()
+        if self.path is not None and now - self.last_write >= EVERY_S:
+            self.last_write = now
+            self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.{self.pid}")
+        try:
+            tmp.write_text(json.dumps({"pid": self.pid, "time": time.time(), "by_batch": self.by}))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a full disk must not stop the engine; the stats are then stale
+
+
+def stats(runner) -> Stats:
+    """This runner's ``Stats`` (made on first use, writing where ``CARTSPEC_STEP_STATS`` says)."""
+    st = getattr(runner, "_cartspec_steps", None)
+    if st is None:
+        st = runner._cartspec_steps = Stats(os.environ.get(ENV) or None)
+    return st
+
+
+def count_drafts(runner, drafted: int, kept: int) -> None:
+    """The draft length patch's counts for the current step."""
+    st = stats(runner)
+    st.add("drafted", drafted)
+    st.add("kept", kept)
+
+
+def apply(mod) -> None:
+    runner_cls = mod.GPUModelRunner
+    execute, sample, propose = runner_cls.execute_model, runner_cls.sample_tokens, runner_cls.propose_draft_token_ids
+
+    @functools.wraps(execute)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            st = stats(self)
+            st.add("step_s", time.perf_counter() - t0)
+            st.pending["_tokens"] = getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0
+            st.pending["_requests"] = len(getattr(scheduler_output, "num_scheduled_tokens", None) or {})
+
+    @functools.wraps(sample)
+    def sample_tokens(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return sample(self, *args, **kwargs)
+        finally:
+            st = stats(self)
+            st.add("step_s", time.perf_counter() - t0)
+            requests, tokens = int(st.pending.pop("_requests", 0)), int(st.pending.pop("_tokens", 0))
+            if requests:
+                st.close_step(requests, tokens)
+            else:
+                st.pending.clear()
+
+    @functools.wraps(propose)
+    def propose_draft_token_ids(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return propose(self, *args, **kwargs)
+        finally:
+            stats(self).add("draft_s", time.perf_counter() - t0)
+
+    runner_cls.execute_model = execute_model
+    runner_cls.sample_tokens = sample_tokens
+    runner_cls.propose_draft_token_ids = propose_draft_token_ids
+
+
+def needed() -> str | None:
+    return None
+
+
+def read(path: str | Path | None) -> dict[str, dict[str, float]]:
+    """The counters in a stats file, by batch bucket; {} where there is none (yet) or it cannot be read."""
+    if not path:
+        return {}
+    try:
+        return json.loads(Path(path).read_text()).get("by_batch", {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def difference(after: dict, before: dict) -> dict[str, dict[str, float]]:
+    """The steps between two ``read``s (a server restarted in between: ``after`` alone)."""
+    if any(after.get(b, {}).get("steps", 0) < row.get("steps", 0) for b, row in before.items()):
+        before = {}
+    out = {}
+    for b, row in after.items():
+        prev = before.get(b, {})
+        d = {f: row.get(f, 0.0) - prev.get(f, 0.0) for f in FIELDS}
+        if d["steps"] > 0:
+            out[b] = d
+    return out
+
+
+def summary(by: dict[str, dict[str, float]]) -> dict[str, Any] | None:
+    """Per-step means over ``by`` (all buckets pooled): steps, draft_ms, verify_ms, requests (mean batch),
+    and kept_share (kept / drafted tokens, where drafts were cut per request); None without steps."""
+    tot = {f: sum(row.get(f, 0.0) for row in by.values()) for f in FIELDS}
+    n = tot["steps"]
+    if not n:
+        return None
+    out = {"steps": int(n), "draft_ms": round(1000 * tot["draft_s"] / n, 3),
+           "verify_ms": round(1000 * tot["verify_s"] / n, 3), "requests": round(tot["requests"] / n, 2)}
+    if tot["drafted"]:
+        out["kept_share"] = round(tot["kept"] / tot["drafted"], 4)
+    return out
+
+
+PATCH = Patch(
+    name="step_stats", module=MODULE,
+    what="times each engine step's drafting and verifying, by batch size, for /metrics, traces and studies",
+    targets=(Target(MODULE, "GPUModelRunner.execute_model", ("self", "scheduler_output")),
+             Target(MODULE, "GPUModelRunner.sample_tokens", ("self", "grammar_output")),
+             Target(MODULE, "GPUModelRunner.propose_draft_token_ids", ("self", "scheduler_output"))),
+    apply=apply, needed=needed)

@@ -1,0 +1,193 @@
+"""Draft length per request (``drafting.length``, patch ``draft_stop``) and the engine's step times (patch
+``step_stats``): the rule, the spec and labels that carry it, and both patches on a stand-in runner."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import torch
+
+from cartspec.drafting.length import KEY, STOP_P, check_stop_p, kept_length, kept_lengths
+from cartspec.vllm_plugin import draft_stop, steps
+
+
+def test_a_draft_is_cut_where_its_path_probability_falls_below_the_threshold():
+    assert kept_length([0.9, 0.9, 0.5, 0.99], 0.5) == 2  # 0.9, 0.81, 0.405 < 0.5
+    assert kept_length([0.4, 0.99], 0.5) == 0  # unsure of the first token: nothing drafted
+    assert kept_length([0.99, 0.99, 0.99], 0.5) == 3
+    assert kept_length([], 0.5) == 0
+    g = torch.Generator().manual_seed(0)
+    table = torch.rand(200, 5, generator=g) ** 0.3
+    for p in (0.1, 0.5, 0.9):
+        assert kept_lengths(table, p) == [kept_length(r, p) for r in table.tolist()]
+        assert kept_lengths(table.tolist(), p) == kept_lengths(table, p)
+    assert kept_lengths(torch.zeros(3, 0), 0.5) == [0, 0, 0]
+    for bad in (0, 1, -0.2, 1.5):
+        with pytest.raises(ValueError, match="strictly between 0 and 1"):
+            check_stop_p(bad)
+
+
+def test_the_spec_the_label_and_the_study_carry_the_threshold():
+    from cartspec.bench.plan import parse_deployment, preset
+    from cartspec.serving.server import VllmServer, needs_patches
+    from cartspec.serving.spec import DeploymentSpec, Speculative
+
+    d = parse_deployment("eagle3:domain:5:stop", "commerce")
+    assert d.speculative.draft_stop == STOP_P and d.speculative.num_speculative_tokens == 5
+    assert d.label == f"eagle3-domain-stop{STOP_P:g}-g5"
+    assert parse_deployment("eagle3:domain:3:stop0.7", "commerce").speculative.draft_stop == 0.7
+    assert parse_deployment("eagle3:domain:3", "commerce").speculative.draft_stop is None
+    with pytest.raises(ValueError, match="strictly between"):
+        parse_deployment("eagle3:domain:3:stop2", "commerce")
+    assert d.speculative.additional_config("/m") == {KEY: {"p": STOP_P}}
+    assert "draft_stop" not in DeploymentSpec().model_dump()["speculative"]  # absent: left out of results' keys
+    assert DeploymentSpec.model_validate(json.loads(d.model_dump_json())) == d
+    assert needs_patches(d) == ("draft_stop",) and needs_patches(DeploymentSpec()) == ()
+    with pytest.raises(ValueError, match="setting of method 'eagle3'"):
+        Speculative(method="ngram", num_speculative_tokens=3, draft_stop=0.5)
+    assert any(x.speculative.draft_stop == STOP_P for x in preset("paper").deployments)
+    env = VllmServer(d, log_dir="/tmp/x-logs", port=1234).environment()
+    assert env[steps.ENV].endswith("vllm-cartspec-eagle3-domain-stop0.5-g5-1234.steps.json")
+
+
+class _Model:
+    """Logits over 6 tokens from a [batch, 1] hidden state: row i puts probability ``h[i]`` on token 4."""
+
+    def compute_logits(self, h):
+        p = h[:, :1].clamp(1e-6, 1 - 1e-6)
+        rest = ((1 - p) / 5).log().expand(-1, 6).clone()
+        rest[:, 4:5] = p.log()
+        return rest
+
+
+def _stand_in(extra: dict, confidences: list[list[float]]):
+    """A module whose ``GPUModelRunner.propose_draft_token_ids`` runs an EAGLE-like drafter: per position, its
+    ``_greedy_sample`` on hidden states carrying each request's confidence there."""
+
+    class Drafter:
+        model = _Model()
+
+        def _greedy_sample(self, hidden_states):
+            return self.model.compute_logits(hidden_states).argmax(dim=-1)
+
+    class GPUModelRunner:
+        def __init__(self):
+            self.vllm_config = types.SimpleNamespace(additional_config=extra)
+            self.speculative_config = types.SimpleNamespace(method="eagle3")
+            self.input_batch = types.SimpleNamespace(num_reqs=len(confidences))
+            self.drafter = Drafter()
+
+        def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
+            cols = [self.drafter._greedy_sample(torch.tensor([[row[j]] for row in confidences]))
+                    for j in range(len(confidences[0]))]
+            return torch.stack(cols, dim=1)
+
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            return None
+
+        def sample_tokens(self, grammar_output):
+            return self.propose_draft_token_ids(None)
+
+    return types.SimpleNamespace(GPUModelRunner=GPUModelRunner)
+
+
+def test_the_patch_cuts_each_requests_draft_and_keeps_vllms_tokens(monkeypatch, tmp_path):
+    monkeypatch.setenv(steps.ENV, str(tmp_path / "steps.json"))
+    # path probabilities: 0.9, 0.81, 0.729 | 0.3 | 0.99, 0.594, 0.475
+    conf = [[0.9, 0.9, 0.9], [0.3, 0.9, 0.9], [0.99, 0.6, 0.8]]
+    mod = _stand_in({KEY: {"p": 0.5}}, conf)
+    draft_stop.apply(mod)
+    steps.apply(mod)
+    runner = mod.GPUModelRunner()
+    out = runner.propose_draft_token_ids(None)
+    assert out == [[4, 4, 4], [], [4, 4]]  # vLLM's tokens, cut per request
+    assert runner._cartspec_steps.pending["drafted"] == 9 and runner._cartspec_steps.pending["kept"] == 5
+
+
+def test_step_stats_time_drafting_and_verifying_by_batch_size(monkeypatch, tmp_path):
+    path = tmp_path / "steps.json"
+    monkeypatch.setenv(steps.ENV, str(path))
+    monkeypatch.setattr(steps, "EVERY_S", 0.0)
+    assert [steps.bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 32, 33, 64)] == [
+        "1", "2", "3-4", "3-4", "5-8", "5-8", "9-16", "17-32", "33+", "33+"]
+    mod = _stand_in({KEY: {"p": 0.5}}, [[0.9, 0.9, 0.9], [0.3, 0.9, 0.9]])
+    draft_stop.apply(mod)
+    steps.apply(mod)
+    runner = mod.GPUModelRunner()
+    before = steps.read(path)
+    assert before == {}
+    sched = types.SimpleNamespace(total_num_scheduled_tokens=8, num_scheduled_tokens={"a": 4, "b": 4})
+    for _ in range(3):  # one engine step: the target's forward, then sampling with the next draft
+        runner.execute_model(sched)
+        runner.sample_tokens(None)
+    by = steps.read(path)
+    assert set(by) == {"2"} and by["2"]["steps"] == 3 and by["2"]["requests"] == 6 and by["2"]["tokens"] == 24
+    assert by["2"]["drafted"] == 18 and by["2"]["kept"] == 9
+    assert by["2"]["draft_s"] > 0 and by["2"]["verify_s"] >= 0
+    s = steps.summary(steps.difference(by, before))
+    assert s["steps"] == 3 and s["requests"] == 2 and s["kept_share"] == 0.5 and s["draft_ms"] > 0
+    # a point's own steps: the difference of two reads; a restarted server's counters start again
+    runner.execute_model(sched)
+    runner.sample_tokens(None)
+    assert steps.summary(steps.difference(steps.read(path), by))["steps"] == 1
+    assert steps.difference({"2": {"steps": 1}}, by) == {"2": {f: (1 if f == "steps" else 0) for f in steps.FIELDS}}
+    assert steps.summary({}) is None and steps.read(tmp_path / "none.json") == {}
+
+
+def test_a_runner_that_did_not_ask_drafts_as_vllm_does():
+    mod = _stand_in({}, [[0.3, 0.3, 0.3]])  # path 0.027: a runner that asked would cut it all
+    draft_stop.apply(mod)
+    out = mod.GPUModelRunner().propose_draft_token_ids(None)
+    assert isinstance(out, torch.Tensor) and out.tolist() == [[4, 4, 4]]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1200)
+def test_in_vllm_drafts_are_cut_per_request_replies_stay_the_targets_and_steps_are_timed(tiny_llama_dir, tmp_path,
+                                                                                          monkeypatch):
+    """A tiny random Llama and a random head, whose path probabilities straddle the threshold: some requests
+    keep drafts, some keep fewer or none, at every step. Greedy replies stay the plain deployment's token for
+    token; sampled requests run through vLLM's rejection sampler with drafts of every length; the step file
+    times drafting and verifying."""
+    import asyncio
+
+    from conftest import make_random_head
+
+    from cartspec.serving.client import ChatClient, gather_limited
+    from cartspec.serving.endpoint import endpoint
+    from cartspec.serving.spec import DeploymentSpec, Speculative
+    from cartspec.task.generator import generate
+    from cartspec.task.prompts import messages
+
+    monkeypatch.setenv("CARTSPEC_HOME", str(tmp_path / "home"))
+    head = make_random_head(tiny_llama_dir, tmp_path / "head")
+    reqs = generate("test", 8, 0)
+
+    def run(spec, name):
+        with endpoint(spec, log_dir=tmp_path / name) as ep:
+            async def go():
+                async with ChatClient(ep.url, ep.served_name, timeout=600) as client:
+                    greedy = await gather_limited((client.chat(messages(r), max_tokens=24, temperature=0.0,
+                                                               extra={"return_token_ids": True}) for r in reqs), 4)
+                    sampled = await gather_limited((client.chat(messages(r), max_tokens=16, temperature=0.5, seed=i)
+                                                    for i, r in enumerate(reqs)), 4)
+                    return greedy, sampled
+            out = asyncio.run(go())
+            return out, steps.read(ep.server.step_stats_path), ep.server.log_path.read_text(errors="replace")
+
+    base = DeploymentSpec(name="cartspec", model=str(tiny_llama_dir), enforce_eager=True, max_num_seqs=4)
+    cut = base.model_copy(update={"speculative": Speculative(method="eagle3", model=str(head),
+                                                             num_speculative_tokens=3, draft_stop=2e-5)})
+    (g0, _), by0, _ = run(base, "base")
+    (g1, s1), by1, log = run(cut, "cut")
+    assert "cartspec patch: draft_stop applied" in log and "cartspec patch: step_stats applied" in log
+    assert "draft length per request in this runner" in log
+    assert [c.raw["choices"][0]["token_ids"] for c in g1] == [c.raw["choices"][0]["token_ids"] for c in g0]
+    assert all(c.text is not None for c in s1) and len(s1) == len(reqs)
+    total = steps.summary(by1)
+    assert 0 < total["kept_share"] < 1, by1  # cut somewhere, not everywhere
+    assert total["draft_ms"] > 0 and total["verify_ms"] > 0
+    plain = steps.summary(by0)
+    assert plain["draft_ms"] < total["draft_ms"] and "kept_share" not in plain
