@@ -7,6 +7,7 @@ timeouts and connection errors are the real ones; only the model is scripted.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -394,3 +395,35 @@ def test_failed_request_trace_still_shows_where_time_went(client, upstream, tmp_
     rec = read_trace(tmp_path / "trace.jsonl")[-1]
     assert rec["error"] == "invalid_model_output" and rec["attempts"] == 2
     assert rec["timing"]["upstream_ms"] >= 100 and rec["timing"]["total_ms"] >= rec["timing"]["upstream_ms"]
+
+
+def test_the_engines_step_times_reach_metrics_and_the_trace(upstream, tmp_path, monkeypatch):
+    """A deployment the agent started has a step-time file (cartspec's vLLM plugin writes it): /metrics exports
+    it per target and batch size, and a trace line carries the engine's steps while its call ran."""
+    from cartspec.agent.trace import read_trace
+
+    path = tmp_path / "steps.json"
+
+    def engine_at(n: int) -> None:
+        row = {"steps": n, "draft_s": 0.01 * n, "verify_s": 0.05 * n, "requests": n, "tokens": 4 * n,
+               "drafted": 3 * n, "kept": 2 * n}
+        path.write_text(json.dumps({"pid": 1, "by_batch": {"1": row}}))
+
+    engine_at(10)
+    real_chat = Upstream.chat
+
+    async def chat(self, *args, **kwargs):  # the engine runs 4 steps while the call is answered
+        out = await real_chat(self, *args, **kwargs)
+        engine_at(14)
+        return out
+
+    monkeypatch.setattr(Upstream, "chat", chat)
+    up = Upstream(upstream.url, label="eagle3-domain-g3", info={"step_stats": str(path)})
+    with make_client(Upstreams(speculative=up), tmp_path) as c:
+        assert post(c, "/v1/search", {"query": "red running shoes under $120"}).status_code == 200
+        m = c.get("/metrics").text
+    assert 'cartspec_agent_engine_steps_total{batch="1",target="speculative"} 14.0' in m, m
+    assert re.search(r'cartspec_agent_engine_draft_seconds_total\{batch="1",target="speculative"\} 0\.14', m)
+    assert re.search(r'cartspec_agent_engine_verify_seconds_total\{batch="1",target="speculative"\} 0\.7', m)
+    engine = read_trace(tmp_path / "trace.jsonl")[-1]["engine"]
+    assert engine == {"steps": 4, "draft_ms": 10.0, "verify_ms": 50.0, "requests": 1.0, "kept_share": 0.6667}

@@ -44,6 +44,7 @@ from ..task.parse import read_reply
 from ..task.prompts import messages as task_messages
 from ..task.schema import SearchParams, SupportReply, json_schema
 from ..task.traffic import TrafficRecord, TrafficWriter
+from ..vllm_plugin import steps as engine_steps
 from .acceptance import AcceptanceStats, reply_stats
 from .admission import Admission, Throughput
 from .cache import CoalescedCancelled, HotCache, request_key
@@ -52,7 +53,8 @@ from .config import AgentConfig
 from .fallback import AcceptanceFallback, Switch
 from .metrics import AgentMetrics
 from .router import RouteDecision, Router
-from .trace import AdmissionTrace, CanaryTrace, FallbackTrace, SpecTrace, Timing, TraceRecord, TraceWriter
+from .trace import (AdmissionTrace, CanaryTrace, EngineTrace, FallbackTrace, SpecTrace, Timing, TraceRecord,
+                    TraceWriter)
 from .upstream import Upstream, Upstreams, UpstreamUnavailable
 
 log = logging.getLogger("cartspec.agent")
@@ -164,6 +166,8 @@ class Agent:
             m.build.labels(target).info({"label": up.label, "url": up.base_url, "model": up.model,
                                          **{k: str(v) for k, v in up.info.get("versions", {}).items()}})
             up.throughput = Throughput(config.admission.window_completions, config.admission.window_s)
+            if up.step_stats:
+                m.engine_steps.watch(target, up.step_stats)
             if self.admission:
                 m.expected_latency.labels(target).set_function(lambda up=up: _or_nan(
                     self.admission.estimate(up.waiting, up.inflight, up.throughput).expected_s))
@@ -406,6 +410,7 @@ class Agent:
             rec.structured = ans.structured
             temperature = c.temperature if attempt == 1 else 0.0
             t0 = time.perf_counter()
+            steps_before = engine_steps.read(up.step_stats) if up.step_stats else None
             try:
                 comp, queued = await up.chat(msgs, max_tokens=max_tokens, temperature=temperature,
                                              json_schema=self.schemas[task] if constrained else None)
@@ -430,6 +435,8 @@ class Agent:
             self.metrics.stage.labels(endpoint, "upstream").observe(call_s - queued)
             rec.output_tokens, rec.finish_reason = comp.output_tokens, comp.finish_reason
             rec.spec = SpecTrace.from_vllm(comp.request_spec_metrics)
+            if steps_before is not None:  # the engine's steps while this call ran (shared with the calls beside it)
+                rec.engine = EngineTrace.of(engine_steps.difference(engine_steps.read(up.step_stats), steps_before))
             self.metrics.output_tokens.labels(target).inc(comp.output_tokens)
             stats = reply_stats(comp.request_spec_metrics)
             self.metrics.observe_spec(target, stats)

@@ -10,6 +10,7 @@ the traffic this agent sent, not the server's lifetime.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from .acceptance import AcceptanceStats, pooled
 
@@ -82,6 +83,8 @@ class AgentMetrics:
                                        "(NaN before any)", ["arm"], registry=r)
         self.canary_errors = Counter(c + "errors", "Failed requests per arm in the trial", ["arm"], registry=r)
         self._sums: dict[str, AcceptanceStats] = {}
+        self.engine_steps = EngineSteps()
+        r.register(self.engine_steps)
 
     def observe_spec(self, target: str, stats: AcceptanceStats | None) -> None:
         """One reply's draft counts (``acceptance.reply_stats``); None: it drafted nothing."""
@@ -100,3 +103,36 @@ class AgentMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class EngineSteps:
+    """The engine's own step times, per target started here: read from the file cartspec's vLLM plugin writes
+    (``vllm_plugin.steps``) at every scrape, exported as counters since the engine started (a restarted
+    engine starts them again). ``rate(...draft_seconds) / rate(...steps)`` is the drafting time per step."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, str] = {}
+
+    def watch(self, target: str, path: str) -> None:
+        self.files[target] = path
+
+    def collect(self):
+        from ..vllm_plugin import steps
+
+        p = "cartspec_agent_engine_"
+        fams = {"steps": CounterMetricFamily(p + "steps", "Engine steps (the target's forward, sampling, the "
+                                             "next draft) by batch size (requests in the step)",
+                                             labels=["target", "batch"]),
+                "draft_s": CounterMetricFamily(p + "draft_seconds", "Engine time spent drafting (the head's "
+                                               "forwards and cartspec's drafters), by batch size",
+                                               labels=["target", "batch"]),
+                "verify_s": CounterMetricFamily(p + "verify_seconds", "Engine time spent on the rest of each step "
+                                                "(the target's forward over the drafts, sampling, verification), "
+                                                "by batch size", labels=["target", "batch"]),
+                "tokens": CounterMetricFamily(p + "step_tokens", "Tokens the target ran in those steps, by batch "
+                                              "size", labels=["target", "batch"])}
+        for target, path in self.files.items():
+            for bucket, row in steps.read(path).items():
+                for field, fam in fams.items():
+                    fam.add_metric([target, bucket], float(row.get(field, 0.0)))
+        yield from fams.values()

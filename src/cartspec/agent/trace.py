@@ -47,6 +47,27 @@ class SpecTrace(BaseModel):
                    per_step_proposed=spec.get("per_step_drafted"))
 
 
+class EngineTrace(BaseModel):
+    """The engine's steps while the answering call ran (cartspec's vLLM plugin, ``vllm_plugin.steps``): how
+    many, and per step the time spent drafting and on the rest (the target's verify forward, sampling), the
+    mean batch, and the share of drafted tokens kept where drafts are cut per request. Steps are shared by
+    the requests in flight together; the engine writes its counters every 0.2 s, so a call shorter than that
+    may see none."""
+
+    steps: int = 0
+    draft_ms: float | None = None
+    verify_ms: float | None = None
+    requests: float | None = None
+    kept_share: float | None = None
+
+    @classmethod
+    def of(cls, by_batch: dict[str, dict[str, float]]) -> "EngineTrace | None":
+        from ..vllm_plugin.steps import summary
+
+        s = summary(by_batch)
+        return cls(**s) if s else None
+
+
 class FallbackTrace(BaseModel):
     """The acceptance fallback when the request was routed."""
 
@@ -107,6 +128,7 @@ class TraceRecord(BaseModel):
     finish_reason: str | None = None
     timing: Timing = Field(default_factory=Timing)
     spec: SpecTrace | None = None
+    engine: EngineTrace | None = None
     fallback: FallbackTrace | None = None
     admission: AdmissionTrace | None = None
     canary: CanaryTrace | None = None

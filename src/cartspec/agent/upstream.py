@@ -71,6 +71,11 @@ class Upstream:
         return self.info.get("head")
 
     @property
+    def step_stats(self) -> str | None:
+        """The engine's step-time file (``vllm_plugin.steps``) where the agent started the vLLM, else None."""
+        return self.info.get("step_stats")
+
+    @property
     def gamma(self) -> int | None:
         """Draft tokens per step: its spec's, else the ``-gN`` its label ends with; None when neither says."""
         spec = (self.info.get("spec") or {}).get("speculative") or {}
