@@ -126,6 +126,14 @@ def test_simulate_sequence_walk():
     half[:, 1:] = -5
     steps = simulate_sequence(half, tokens, P, gamma)
     assert [s.accepted for s in steps][:5] == [1] * 5
+    # a draft cut per request (draft length per request): a perfect proposal cut to 1 token accepts 1 and
+    # counts 1 drafted; cut to nothing, the target's token alone moves it on, and, as vLLM counts, that is
+    # no verify step with drafts
+    steps = simulate_sequence(perfect, tokens, P, gamma, adjust=lambda i, row: row[:1])
+    assert [(s.accepted, s.drafted) for s in steps][:3] == [(1, 1)] * 3
+    assert simulate_sequence(perfect, tokens, P, gamma, adjust=lambda i, row: []) == []
+    steps = simulate_sequence(perfect, tokens, P, gamma, adjust=lambda i, row: row if i % 2 else [])
+    assert all(s.drafted == 3 for s in steps) and len(steps) == 3
 
 
 def test_ngram_proposer_matches_vllm():

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from cartspec.drafting.length import KEY, STOP_P, check_stop_p, kept_length, kept_lengths
+from cartspec.drafting.length import FULL_BATCH, KEY, STOP_P, check_stop_p, kept_length, kept_lengths, threshold_at
 from cartspec.vllm_plugin import draft_stop, steps
 
 
@@ -97,13 +97,27 @@ def test_the_patch_cuts_each_requests_draft_and_keeps_vllms_tokens(monkeypatch, 
     monkeypatch.setenv(steps.ENV, str(tmp_path / "steps.json"))
     # path probabilities: 0.9, 0.81, 0.729 | 0.3 | 0.99, 0.594, 0.475
     conf = [[0.9, 0.9, 0.9], [0.3, 0.9, 0.9], [0.99, 0.6, 0.8]]
-    mod = _stand_in({KEY: {"p": 0.5}}, conf)
+    mod = _stand_in({KEY: {"p": 0.5, "full_batch": 3}}, conf)
     draft_stop.apply(mod)
     steps.apply(mod)
     runner = mod.GPUModelRunner()
     out = runner.propose_draft_token_ids(None)
     assert out == [[4, 4, 4], [], [4, 4]]  # vLLM's tokens, cut per request
     assert runner._cartspec_steps.pending["drafted"] == 9 and runner._cartspec_steps.pending["kept"] == 5
+    # the same requests alone: at one request nothing is cut and no probability is computed
+    lone = _stand_in({KEY: {"p": 0.5, "full_batch": 3}}, conf[1:2])
+    draft_stop.apply(lone)
+    runner = lone.GPUModelRunner()
+    out = runner.propose_draft_token_ids(None)
+    assert isinstance(out, torch.Tensor) and out.tolist() == [[4, 4, 4]]
+    assert not hasattr(runner.drafter, "_cartspec_probs")  # the drafter was never asked for probabilities
+
+
+def test_the_threshold_follows_the_batch():
+    assert threshold_at(0.5, 1) == 0.0 and threshold_at(0.5, FULL_BATCH) == 0.5 and threshold_at(0.5, 64) == 0.5
+    assert threshold_at(0.5, 2) == pytest.approx(0.5 / (FULL_BATCH - 1))
+    ramp = [threshold_at(0.5, b) for b in range(1, FULL_BATCH + 1)]
+    assert ramp == sorted(ramp) and threshold_at(0.5, 1, full_batch=1) == 0.5
 
 
 def test_step_stats_time_drafting_and_verifying_by_batch_size(monkeypatch, tmp_path):
@@ -112,7 +126,7 @@ def test_step_stats_time_drafting_and_verifying_by_batch_size(monkeypatch, tmp_p
     monkeypatch.setattr(steps, "EVERY_S", 0.0)
     assert [steps.bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 32, 33, 64)] == [
         "1", "2", "3-4", "3-4", "5-8", "5-8", "9-16", "17-32", "33+", "33+"]
-    mod = _stand_in({KEY: {"p": 0.5}}, [[0.9, 0.9, 0.9], [0.3, 0.9, 0.9]])
+    mod = _stand_in({KEY: {"p": 0.5, "full_batch": 2}}, [[0.9, 0.9, 0.9], [0.3, 0.9, 0.9]])
     draft_stop.apply(mod)
     steps.apply(mod)
     runner = mod.GPUModelRunner()
@@ -191,3 +205,57 @@ def test_in_vllm_drafts_are_cut_per_request_replies_stay_the_targets_and_steps_a
     assert total["draft_ms"] > 0 and total["verify_ms"] > 0
     plain = steps.summary(by0)
     assert plain["draft_ms"] < total["draft_ms"] and "kept_share" not in plain
+
+
+def test_serve_and_draft_acceptance_take_the_threshold_and_refuse_it_without_a_head(monkeypatch):
+    from typer.testing import CliRunner
+
+    from cartspec.agent.defaults import default_spec
+    from cartspec.cli import app
+
+    spec = default_spec("commerce", "domain", 5, True, draft="eagle3", draft_stop=STOP_P)
+    assert spec.speculative.draft_stop == STOP_P and spec.label == "eagle3-domain-stop0.5-g5"
+    for draft, head in (("hybrid", "domain"), ("eagle3", "none"), ("schema", "auto")):
+        with pytest.raises(ValueError, match="--draft-stop cuts an EAGLE-3 head's drafts"):
+            default_spec("commerce", head, 5, True, draft=draft, draft_stop=STOP_P)
+    r = CliRunner().invoke(app, ["draft", "acceptance", "--method", "ngram", "--draft-stop", "0.5", "--out", "x.json"])
+    assert r.exit_code != 0 and "--draft-stop" in r.output and "--method eagle3" in r.output
+    r = CliRunner().invoke(app, ["draft", "acceptance", "--method", "eagle3", "--head", "domain", "--draft-stop", "1.5",
+                                  "--out", "x.json"])
+    assert r.exit_code != 0 and "strictly between 0 and 1" in r.output
+
+
+def test_the_draft_vocabularys_probabilities_pick_vllms_token_and_its_softmax():
+    """vLLM spreads an EAGLE-3 head's draft-vocabulary logits over the target vocabulary (-inf elsewhere) and
+    takes the argmax; the patch reads the draft logits directly: the same token (ties included), the same
+    probability, without the full vocabulary's softmax."""
+    g = torch.Generator().manual_seed(0)
+    draft_ids = torch.sort(torch.randperm(500, generator=g)[:64]).values  # increasing target ids
+
+    class Eagle3Like(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(8, 64, bias=False)
+            self.draft_id_to_target_id = draft_ids - torch.arange(64)
+
+        def logits_processor(self, lm_head, h):
+            return lm_head(h)
+
+        def compute_logits(self, h):  # as vLLM 0.32 does
+            logits = self.logits_processor(self.lm_head, h)
+            new = logits.new_full((h.shape[0], 500), float("-inf"))
+            new[:, torch.arange(64) + self.draft_id_to_target_id] = logits
+            return new
+
+    model = Eagle3Like()
+    with torch.no_grad():
+        model.lm_head.weight[5] = model.lm_head.weight[9]  # a tie between two draft ids
+    drafter = types.SimpleNamespace(model=model, _greedy_sample=lambda h: model.compute_logits(h).argmax(-1))
+    probs = draft_stop.record_probs(drafter)
+    h = torch.randn(40, 8, generator=g)
+    h[0] = 0  # every logit equal
+    with torch.no_grad():
+        ids = drafter._greedy_sample(h)
+        full = model.compute_logits(h)
+    assert ids.tolist() == full.argmax(-1).tolist()
+    assert torch.allclose(probs[0], full.softmax(-1).amax(-1), atol=1e-6)

@@ -41,6 +41,10 @@ def serve(
                                           "`cartspec draft pointer` wrote): the hybrid drafts with rule pointer "
                                           "(default: the bundled pointer where it was trained for --model, else "
                                           "the head alone)"),
+    draft_stop: Optional[float] = typer.Option(
+        None, "--draft-stop", help="with --draft eagle3: draft length per request, each request's draft cut where "
+                                   "the head's path probability falls below this (0.5 is what the study's "
+                                   "eagle3:HEAD:γ:stop measures); --gamma is then the longest draft"),
     adaptive: bool = typer.Option(False, "--adaptive", help="γ per batch size, tuned for this machine: the "
                                   "schedule cached by an earlier study or tune, else a calibration first (a few "
                                   "minutes); replaces --gamma"),
@@ -181,7 +185,10 @@ def serve(
                     raise ValueError(f"--draft must be {' or '.join(DRAFTS)}, not {draft!r}")
                 if pointer and draft != "hybrid":
                     raise ValueError("--pointer is a setting of --draft hybrid")
-                spec = default_spec(model, head, gamma, enforce_eager, dtype, draft, say=_warn, pointer=pointer)
+                if draft_stop is not None and draft != "eagle3":
+                    raise ValueError("--draft-stop (draft length per request) is a setting of --draft eagle3")
+                spec = default_spec(model, head, gamma, enforce_eager, dtype, draft, say=_warn, pointer=pointer,
+                                    draft_stop=draft_stop)
                 if adaptive:
                     spec = adaptive_schedule(adaptive_request(spec))
             elif canary_head and not canary_upstream:  # the candidate: --model/--head/--gamma, head swapped

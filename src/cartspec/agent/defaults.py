@@ -27,13 +27,15 @@ def _warn(message: str) -> None:
 
 
 def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: str = "auto",
-                 draft: str = DEFAULT_DRAFT, say: Say = _warn, pointer: str | None = None) -> DeploymentSpec:
+                 draft: str = DEFAULT_DRAFT, say: Say = _warn, pointer: str | None = None,
+                 draft_stop: float | None = None) -> DeploymentSpec:
     """The deployment ``serve`` runs: the commerce target; the domain head at γ=``gamma`` when the head is
     there, drafting with ``draft`` (eagle3, or hybrid: the head plus the prompt's copies with the rule
     ``drafting.config.default_rule`` gives the target; where that is the head alone, eagle3); a target
     without a head (``head`` auto and none trained for it), or ``draft`` schema: the schema drafter at
     γ=``gamma`` (drafts from the replies' JSON schema and the prompt); ``head`` none: no speculation. ``pointer``: the hybrid's pointer for this target (default: the bundled one where it was
-    trained for it). ``say``: where a warning
+    trained for it). ``draft_stop``: with eagle3, each request's draft cut where the head's path probability falls
+    below it (``drafting.length``). ``say``: where a warning
     goes (no head for this target: served without speculation)."""
     from ..model.convert import ModelNotFound
     from ..model.registry import matching_bundled_head, resolve_head, resolve_model
@@ -49,6 +51,9 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: 
             say(f"no bundled head was trained for {model}: drafting from the replies' JSON schema and the prompt "
                 "(the schema drafter, which needs no head; train a head: cartspec draft train --target MODEL "
                 "--prompts FILE.jsonl)")
+    if draft_stop is not None and (head in ("none", NO_HEAD_DRAFT) or draft != "eagle3"):
+        raise ValueError("--draft-stop cuts an EAGLE-3 head's drafts: it needs --draft eagle3 and a head "
+                         f"(here: draft {draft}, head {head})")
     if head == NO_HEAD_DRAFT or draft == NO_HEAD_DRAFT:
         speculative = Speculative(method="schema", num_speculative_tokens=gamma)
     elif head != "none":
@@ -63,7 +68,8 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: 
                 draft, rule = "eagle3", None
         # the target's default rule is the spec's default (no hybrid block); a pointer given is written out
         hybrid = HybridConfig(rule="pointer", pointer=pointer) if pointer and rule == "pointer" else None
-        speculative = Speculative(method=draft, model=head, num_speculative_tokens=gamma, hybrid=hybrid)
+        speculative = Speculative(method=draft, model=head, num_speculative_tokens=gamma, hybrid=hybrid,
+                                  draft_stop=draft_stop)
     # Per-request timing metrics give the trace vLLM's own queue time and TTFT.
     return DeploymentSpec(model=model, speculative=speculative, enforce_eager=enforce_eager, dtype=dtype,
                           engine_args=["--enable-per-request-metrics"])

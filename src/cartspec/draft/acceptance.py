@@ -86,6 +86,8 @@ class AcceptanceReport(_Written):
     replay_agrees_with_engine: str | None = Field(None, description="ngram, schema: requests whose replayed proposer "
                                                                     "gives the engine's per-step counts")
     hybrid: dict[str, Any] | None = Field(None, description="the hybrid drafter's settings")
+    draft_stop: float | None = Field(None, description="eagle3: each draft cut where the head's path probability "
+                                                       "fell below this (drafting.length); None: fixed γ")
     per_step_accepted: list[list[int]] | None = Field(None, description="simulated hybrid: per request, per step")
     replies: list[ReplySteps] | None = None
     mode: Literal["vllm", "simulate"] | None = None
@@ -154,7 +156,8 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
                  log: Callable[[str], None] = print, enforce_eager: bool = False,
                  on_done: Callable[[int, int], None] | None = None, dtype: str = "auto",
                  hybrid: Any = None, server: str | None = None, served_name: str | None = None,
-                 api_key: str | None = None, reply_schema: str | None = None) -> dict[str, Any]:
+                 api_key: str | None = None, reply_schema: str | None = None,
+                 draft_stop: float | None = None) -> dict[str, Any]:
     """``method``: eagle3 | ngram | schema | hybrid (``schema``: the schema drafter, over ``reply_schema``'s file
     or the commerce task's replies; ``hybrid``: a ``drafting.config.HybridConfig``; None: the default for the target, as ``serve`` deploys).
 
@@ -176,6 +179,7 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
     head_dir = resolve_head(head) if method in ("eagle3", "hybrid") else None
     sp = Speculative(method=method, num_speculative_tokens=gamma,
                      model=str(head_dir) if head_dir else None, **_hybrid_fields(method, hybrid),
+                     **({"draft_stop": draft_stop} if draft_stop is not None else {}),
                      **({"reply_schema": reply_schema} if reply_schema else {}))
     spec = DeploymentSpec(name="cartspec", model=str(model_dir), speculative=sp, enforce_eager=enforce_eager,
                           max_num_seqs=max(concurrency, 1), dtype=dtype).resolved()
@@ -253,7 +257,7 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
             "temperature": 0.0,
             "concurrency": concurrency, "max_tokens": max_tokens, "output_tokens": out_tokens,
             "wall_s": round(wall, 1), "output_tokens_per_s": round(out_tokens / wall, 1) if wall else None,
-            "requests_without_step_metrics": missing, "engine": versions,
+            "requests_without_step_metrics": missing, "engine": versions, "draft_stop": draft_stop,
             **({"server": ep.url, "served_name": ep.served_name} if server else {})}
 
 
@@ -312,7 +316,8 @@ def greedy_features(target: str, reqs: Sequence[Request], max_tokens: int = 192,
 def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Request], head: str | None = None,
                       max_tokens: int = 192, log: Callable[[str], None] = print,
                       progress: Callable[[int, int], None] | None = None, enforce_eager: bool = False,
-                      hybrid: Any = None, reply_schema: str | None = None) -> dict[str, Any]:
+                      hybrid: Any = None, reply_schema: str | None = None,
+                      draft_stop: float | None = None) -> dict[str, Any]:
     from ..model.heads import version_of
     from ..model.registry import resolve_head
     from ..serving.engine import engine_versions
@@ -329,7 +334,7 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
         head_dir = resolve_head(head)
         h = load_head(head_dir)
         embed = load_target_weights(model_dir)["embed"].float()
-        summary, _ = simulate(h, embed, fs, gamma, classes, progress)
+        summary, _ = simulate(h, embed, fs, gamma, classes, progress, stop_p=draft_stop)
     elif method == "hybrid":
         from ..drafting.config import NEEDS_TOKENS, for_target
         from ..drafting.tokens import TokenInfo
@@ -373,6 +378,7 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
     for c in summary["by_class"]:
         summary["by_class"][c]["tokens"] = counts.get(c, 0)
     return {**summary, "mode": "simulate", "method": method, "gamma": gamma, "target": str(model_dir),
+            "draft_stop": draft_stop,
             "head": str(head_dir) if head_dir else None, "head_version": version_of(head_dir), "n": len(reqs),
             "temperature": 0.0,
             "max_tokens": max_tokens, "output_tokens": sum(len(r["output_ids"]) for r in records),

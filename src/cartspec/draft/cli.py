@@ -136,6 +136,10 @@ def acceptance(
     reply_schema: Optional[Path] = typer.Option(
         None, help="schema, and hybrid rule schema: the JSON schema file the replies follow (default: the "
                    "commerce task's replies)"),
+    draft_stop: Optional[float] = typer.Option(
+        None, "--draft-stop", help="eagle3: draft length per request, each draft cut where the head's path "
+                                   "probability falls below this (0.5 is the default `eagle3:HEAD:γ:stop` "
+                                   "deploys); --gamma is then the longest draft"),
     lookup_min: Optional[int] = typer.Option(None, help="hybrid: smallest n-gram the lookup matches"),
     lookup_max: Optional[int] = typer.Option(None, help="hybrid: largest n-gram the lookup matches"),
     rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head | anchor | text | pointer | schema "
@@ -174,6 +178,10 @@ def acceptance(
         _fail("--reply-schema is a setting of --method schema (and of --method hybrid --rule schema)")
     if reply_schema is not None and not reply_schema.is_file():
         _fail(f"--reply-schema {reply_schema} does not exist: give a JSON schema file")
+    if draft_stop is not None and method != "eagle3":
+        _fail("--draft-stop (draft length per request) is a setting of --method eagle3")
+    if draft_stop is not None and not 0 < draft_stop < 1:
+        _fail(f"--draft-stop is a probability strictly between 0 and 1, got {draft_stop}")
     if method in ("eagle3", "hybrid") and not head:
         _fail(f"--head is required with --method {method}")
     if (served_name or server_api_key_env) and not server:
@@ -207,12 +215,13 @@ def acceptance(
             if simulate:
                 res = measure_simulated(target, method, gamma, reqs, head=head, max_tokens=max_tokens,
                                         log=console.print, progress=prog, enforce_eager=enforce_eager,
-                                        hybrid=hybrid, reply_schema=_str(reply_schema))
+                                        hybrid=hybrid, reply_schema=_str(reply_schema), draft_stop=draft_stop)
             else:
                 res = measure_vllm(target, method, gamma, reqs, head=head, concurrency=concurrency,
                                    max_tokens=max_tokens, log=console.print, enforce_eager=enforce_eager,
                                    on_done=prog, dtype=dtype, hybrid=hybrid, server=server,
-                                   served_name=served_name, api_key=api_key, reply_schema=_str(reply_schema))
+                                   served_name=served_name, api_key=api_key, reply_schema=_str(reply_schema),
+                                   draft_stop=draft_stop)
         except (ModelNotFound, DeploymentError, EndpointError, FileNotFoundError) as exc:
             _fail(str(exc))
     res["data"] = data

@@ -148,7 +148,7 @@ def simulate_sequence(pred: torch.Tensor, tokens: Sequence[int], prompt_len: int
 
     def run(row) -> int:
         a = 0
-        while a < gamma and i + 2 + a < L and int(row[a]) == int(tokens[i + 2 + a]):
+        while a < min(gamma, len(row)) and i + 2 + a < L and int(row[a]) == int(tokens[i + 2 + a]):
             a += 1
         return a
 
@@ -159,27 +159,42 @@ def simulate_sequence(pred: torch.Tensor, tokens: Sequence[int], prompt_len: int
         if adjust is not None:
             head_accepted = run(row)
             row = adjust(i, [int(t) for t in row])
+        drafted = min(gamma, len(row))  # a proposal may be shorter than γ (a draft cut per request)
+        if not drafted:  # nothing proposed: not a verify step with drafts (as vLLM counts them)
+            i += 1
+            continue
         a = run(row)
         cls = []
         if classes is not None:
-            cls = [classes[i + 2 + k - P] for k in range(gamma) if i + 2 + k < L]
-        steps.append(Step(a, gamma, cls, head_accepted))
+            cls = [classes[i + 2 + k - P] for k in range(drafted) if i + 2 + k < L]
+        steps.append(Step(a, drafted, cls, head_accepted))
         i += a + 1
     return steps
 
 
 def simulate(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamma: int,
              classes: Sequence[Sequence[str]] | None = None,
-             progress: Callable[[int, int], None] | None = None) -> tuple[dict[str, Any], list[list[Step]]]:
-    """Simulated chain drafting over every sequence of ``fs`` (greedy outputs)."""
+             progress: Callable[[int, int], None] | None = None,
+             stop_p: float | None = None) -> tuple[dict[str, Any], list[list[Step]]]:
+    """Simulated chain drafting over every sequence of ``fs`` (greedy outputs); ``stop_p``: each draft cut
+    where the head's path probability falls below it (``drafting.length``), as the ``draft_stop`` patch does."""
+    from ..drafting.length import kept_lengths
+
     head.eval()
     all_steps = []
     for s in range(fs.n_seqs):
         sl = fs.seq(s)
-        pred = draft_predictions(head, embed, fs, s, gamma)
         toks = fs.input_ids[sl].tolist()
-        all_steps.append(simulate_sequence(pred, toks, int(fs.prompt_lens[s]), gamma,
-                                           classes[s] if classes is not None else None))
+        P = int(fs.prompt_lens[s])
+        adjust = None
+        if stop_p is None:
+            pred = draft_predictions(head, embed, fs, s, gamma)
+        else:
+            pred, probs = draft_predictions(head, embed, fs, s, gamma, with_probs=True)
+            lengths = kept_lengths(probs, stop_p)
+            adjust = lambda i, row, lengths=lengths, P=P: row[:lengths[i - (P - 1)]]  # noqa: E731
+        all_steps.append(simulate_sequence(pred, toks, P, gamma, classes[s] if classes is not None else None,
+                                           adjust=adjust))
         if progress:
             progress(s + 1, fs.n_seqs)
     return summarize(all_steps, gamma), all_steps

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from ..drafting.length import KEY, check_stop_p, kept_lengths
+from ..drafting.length import FULL_BATCH, KEY, check_stop_p, kept_lengths, threshold_at
 from .registry import Patch, Target
 
 MODULE = "vllm.v1.worker.gpu_model_runner"
@@ -38,21 +38,23 @@ def needed() -> str | None:
     return None  # wrapped in every process; it cuts drafts only in a runner whose vLLM config asks (``stop_p``)
 
 
-def stop_p(runner) -> float | None:
-    """This runner's threshold: vLLM's ``additional_config`` under ``KEY``, read once per runner; None where
-    the deployment did not ask (drafts pass through)."""
+def stop_p(runner) -> tuple[float, int] | None:
+    """This runner's threshold and the batch from which it applies whole (``drafting.length.threshold_at``):
+    vLLM's ``additional_config`` under ``KEY``, read once per runner; None where the deployment did not ask
+    (drafts pass through)."""
     try:
         return runner._cartspec_stop_p
     except AttributeError:
         pass
     extra = getattr(getattr(runner, "vllm_config", None), "additional_config", None) or {}
     value = extra.get(KEY) if isinstance(extra, dict) else None
-    p = check_stop_p(value["p"]) if value else None
-    runner._cartspec_stop_p = p
-    if p is not None:
+    setting = (check_stop_p(value["p"]), int(value.get("full_batch", FULL_BATCH))) if value else None
+    runner._cartspec_stop_p = setting
+    if setting is not None:
         print(f"cartspec: draft length per request in this runner: stop where the draft's path probability "
-              f"< {p}", file=sys.stderr, flush=True)
-    return p
+              f"< {setting[0]} from {setting[1]} requests in a step on (less below, nothing cut at one)",
+              file=sys.stderr, flush=True)
+    return setting
 
 
 def record_probs(drafter) -> list | None:
@@ -67,20 +69,49 @@ def record_probs(drafter) -> list | None:
     if probs is not None:
         return probs
     probs = []
+    targets = draft_targets(drafter.model)
+    original = drafter._greedy_sample
 
     def _greedy_sample(hidden_states):
         import torch
 
-        logits = drafter.model.compute_logits(hidden_states)
-        ids = logits.argmax(dim=-1)  # vLLM's own choice
+        if not getattr(drafter, "_cartspec_recording", True):  # a step that cuts nothing: vLLM's own
+            return original(hidden_states)
         with torch.no_grad():
-            lf = logits.float()
-            probs.append((lf.gather(-1, ids[:, None])[:, 0] - lf.logsumexp(dim=-1)).exp())
-        return ids
+            if targets is None:  # the model's logits over the target vocabulary, as vLLM takes them
+                logits = drafter.model.compute_logits(hidden_states)
+                ids = logits.argmax(dim=-1)  # vLLM's own choice
+                lf = logits.float()
+                probs.append((lf.gather(-1, ids[:, None])[:, 0] - lf.logsumexp(dim=-1)).exp())
+                return ids
+            # an EAGLE-3 head with a draft vocabulary: its logits before vLLM spreads them over the target
+            # vocabulary (-inf elsewhere); the same argmax (draft ids map to increasing target ids), and the
+            # softmax over the draft vocabulary, a sixth of the work
+            dl = drafter.model.logits_processor(drafter.model.lm_head, hidden_states)
+            j = dl.argmax(dim=-1)
+            lf = dl.float()
+            probs.append((lf.gather(-1, j[:, None])[:, 0] - lf.logsumexp(dim=-1)).exp())
+            return targets[j]
 
     drafter._greedy_sample = _greedy_sample
     drafter._cartspec_probs = probs
     return probs
+
+
+def draft_targets(model):
+    """The target ids of an EAGLE-3 head's draft vocabulary (``d + draft_id_to_target_id[d]``, vLLM 0.32's
+    ``Eagle3LlamaForCausalLM.compute_logits``) where they increase strictly (an argmax over the draft logits
+    then picks what vLLM's argmax over the spread logits picks, ties included); None otherwise (the full
+    logits are used)."""
+    import torch
+
+    d2t = getattr(model, "draft_id_to_target_id", None)
+    if d2t is None or not hasattr(model, "logits_processor") or not hasattr(model, "lm_head"):
+        return None
+    targets = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+    if targets.numel() > 1 and not bool((targets[1:] > targets[:-1]).all()):
+        return None
+    return targets
 
 
 def cut(drafts, probs: list, p: float, num_reqs: int):
@@ -107,15 +138,21 @@ def apply(mod) -> None:
 
     @functools.wraps(original)
     def propose_draft_token_ids(self, scheduler_output, *args, **kwargs):
-        p = stop_p(self)
-        if p is None or getattr(self.speculative_config, "method", None) != "eagle3":
+        setting = stop_p(self)
+        if setting is None or getattr(self.speculative_config, "method", None) != "eagle3":
             return original(self, scheduler_output, *args, **kwargs)
-        probs = record_probs(getattr(self, "drafter", None))
-        if probs is None:
+        num_reqs = self.input_batch.num_reqs
+        p = threshold_at(setting[0], num_reqs, setting[1])
+        drafter = getattr(self, "drafter", None)
+        probs = record_probs(drafter) if p > 0 else None
+        if probs is None:  # nothing to cut at this batch (or a drafter this cannot read): vLLM's drafts
+            if drafter is not None and hasattr(drafter, "_cartspec_probs"):
+                drafter._cartspec_recording = False
             return original(self, scheduler_output, *args, **kwargs)
+        drafter._cartspec_recording = True
         probs.clear()
         drafts = original(self, scheduler_output, *args, **kwargs)
-        out, drafted, kept = cut(drafts, probs, p, self.input_batch.num_reqs)
+        out, drafted, kept = cut(drafts, probs, p, num_reqs)
         if drafted:
             from .steps import count_drafts
 
@@ -131,5 +168,8 @@ PATCH = Patch(
          "deployment's threshold",
     targets=(Target(MODULE, "GPUModelRunner.propose_draft_token_ids", ("self", "scheduler_output")),
              Target("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer._greedy_sample",
+                    ("self", "hidden_states")),
+             # the draft vocabulary's logits before they are spread over the target's (``draft_targets``)
+             Target("vllm.model_executor.models.llama_eagle3", "Eagle3LlamaForCausalLM.compute_logits",
                     ("self", "hidden_states"))),
     apply=apply, needed=needed)
