@@ -198,3 +198,30 @@ def test_with_a_head_the_heads_draft_stands_where_the_grammar_accepts_it(tok, gr
     assert all(m.accept_token(t) for t in fixed)
     with pytest.raises(ValueError, match="compiled schema"):
         propose(good, prompt + done, len(prompt), cfg)  # rule schema without the schema
+
+
+def test_rule_pointer_schema_takes_the_pointers_pick_and_the_grammars_check(tok, grammar):
+    """Hybrid rule ``pointer-schema``: at a value's opening quote the pointer's pick replaces the head's
+    draft (which the head drafts worst); the schema drafter then checks the draft against the grammar and
+    drafts from a token it refuses."""
+    from test_pointer import FakePointer
+
+    from cartspec.drafting import HybridConfig, TokenInfo, propose
+
+    info = TokenInfo.from_tokenizer(tok)
+    cfg = HybridConfig(rule="pointer-schema", head_p=0)
+    prompt = tok("show me wireless headphones", add_special_tokens=False).input_ids
+    reply = tok('{"intent": "search", "keywords": "', add_special_tokens=False).input_ids
+    wireless = tok("wireless", add_special_tokens=False).input_ids
+    wrong = tok("cats dogs birds", add_special_tokens=False).input_ids[:3]
+    d = propose(wrong, prompt + reply, len(prompt), cfg, info, FakePointer(wireless), schema=grammar)
+    assert tok.decode(d).startswith("wireless"), tok.decode(d)
+    assert propose(wrong, prompt + reply, len(prompt), HybridConfig(rule="pointer", head_p=0), info,
+                   FakePointer(wireless))[:len(wireless)] == wireless  # the pointer's pick, as rule pointer
+    # after a value, a key the schema lacks: the grammar refuses it and the schema drafter drafts
+    done = tok('{"intent": "search", "keywords": "wireless headphones"', add_special_tokens=False).input_ids
+    bad = tok(', "colour', add_special_tokens=False).input_ids[:3]
+    fixed = propose(bad, prompt + done, len(prompt), cfg, info, FakePointer(), schema=grammar)
+    assert fixed != bad and tok.decode(fixed).startswith(', "')
+    with pytest.raises(ValueError, match="compiled schema"):
+        propose(bad, prompt + done, len(prompt), cfg, info, FakePointer())

@@ -57,17 +57,17 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: 
     if head == NO_HEAD_DRAFT or draft == NO_HEAD_DRAFT:
         speculative = Speculative(method="schema", num_speculative_tokens=gamma)
     elif head != "none":
+        from ..drafting.config import NEEDS_POINTER, NO_POINTER, HybridConfig, default_rule
+
         resolve_head(head)
         rule = None
         if draft == "hybrid":  # the hybrid's default rule for this target (the pointer where one was trained)
-            from ..drafting.config import NO_POINTER, HybridConfig, default_rule
-
             rule = default_rule(resolve_model(model), pointer)
             if rule == "head":  # the hybrid would draft as the head alone, at the hybrid's cost: the head alone
                 say(f"{NO_POINTER}; serving the head alone (--draft eagle3)")
                 draft, rule = "eagle3", None
         # the target's default rule is the spec's default (no hybrid block); a pointer given is written out
-        hybrid = HybridConfig(rule="pointer", pointer=pointer) if pointer and rule == "pointer" else None
+        hybrid = HybridConfig(rule=rule, pointer=pointer) if pointer and rule in NEEDS_POINTER else None
         speculative = Speculative(method=draft, model=head, num_speculative_tokens=gamma, hybrid=hybrid,
                                   draft_stop=draft_stop)
     # Per-request timing metrics give the trace vLLM's own queue time and TTFT.

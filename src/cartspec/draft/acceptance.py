@@ -336,7 +336,7 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
         embed = load_target_weights(model_dir)["embed"].float()
         summary, _ = simulate(h, embed, fs, gamma, classes, progress, stop_p=draft_stop)
     elif method == "hybrid":
-        from ..drafting.config import NEEDS_TOKENS, for_target
+        from ..drafting.config import NEEDS_POINTER, NEEDS_SCHEMA, NEEDS_TOKENS, for_target
         from ..drafting.tokens import TokenInfo
 
         hybrid = for_target(hybrid, model_dir)
@@ -345,7 +345,7 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
         h = load_head(head_dir)
         embed = load_target_weights(model_dir)["embed"].float()
         pointer = None
-        if hybrid.rule == "pointer":
+        if hybrid.rule in NEEDS_POINTER:
             from ..drafting.pointer import Pointer
             from ..model.registry import check_head
 
@@ -353,7 +353,7 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
             check_head(pdir, model_dir, what="pointer")
             pointer = Pointer.load(pdir, model_dir)
         grammar = None
-        if hybrid.rule == "schema":
+        if hybrid.rule in NEEDS_SCHEMA:
             from ..drafting.schema import SchemaGrammar
 
             from ..serving.spec import reply_schema_of

@@ -174,8 +174,11 @@ def acceptance(
 
     if method not in ("eagle3", "ngram", "schema", "hybrid"):
         _fail("--method must be eagle3, ngram, schema or hybrid")
-    if reply_schema is not None and not (method == "schema" or (method == "hybrid" and rule == "schema")):
-        _fail("--reply-schema is a setting of --method schema (and of --method hybrid --rule schema)")
+    from ..drafting.config import NEEDS_SCHEMA
+
+    if reply_schema is not None and not (method == "schema" or (method == "hybrid" and rule in NEEDS_SCHEMA)):
+        _fail("--reply-schema is a setting of --method schema (and of --method hybrid --rule schema or "
+              "pointer-schema)")
     if reply_schema is not None and not reply_schema.is_file():
         _fail(f"--reply-schema {reply_schema} does not exist: give a JSON schema file")
     if draft_stop is not None and method != "eagle3":

@@ -391,15 +391,15 @@ def hybrid_config(lookup_min: int | None = None, lookup_max: int | None = None, 
     """The hybrid's ``HybridConfig`` from ``draft acceptance``'s settings (None: the default's; the rule: the
     default for ``target``, ``drafting.config.default_rule``, as ``serve`` deploys), its pointer resolved where
     the rule is ``pointer``. Raises DraftPipelineError for a setting it refuses."""
-    from ..drafting.config import DEFAULT, HybridConfig, default_rule, for_target
+    from ..drafting.config import DEFAULT, NEEDS_POINTER, HybridConfig, default_rule, for_target
     from ..model.convert import ModelNotFound
     from ..model.registry import resolve_model
 
     try:
         if rule is None:
             rule = default_rule(resolve_model(target) if target else None, pointer)
-        if pointer and rule != "pointer":
-            raise DraftPipelineError("--pointer is a setting of --rule pointer")
+        if pointer and rule not in NEEDS_POINTER:
+            raise DraftPipelineError(f"--pointer is a setting of --rule {' or '.join(NEEDS_POINTER)}")
         return for_target(HybridConfig(n_min=lookup_min or DEFAULT.n_min, n_max=lookup_max or DEFAULT.n_max,
                                        rule=rule, scope=scope or DEFAULT.scope, pointer=pointer or "",
                                        head_p=head_p), None)

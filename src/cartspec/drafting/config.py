@@ -16,12 +16,14 @@ from pathlib import Path
 # where a deployment's hybrid settings travel into vLLM: its ``--additional-config`` (vLLM's ``additional_config``,
 # the settings it keeps for plugins), as ``{KEY: HybridConfig.to_dict()}``
 KEY = "cartspec_hybrid"
-RULES = ("lookup", "agree", "head", "anchor", "text", "pointer", "schema")
-NEEDS_TOKENS = ("anchor", "text", "pointer")  # rules that read the tokens' text (``TokenInfo``)
+RULES = ("lookup", "agree", "head", "anchor", "text", "pointer", "schema", "pointer-schema")
+NEEDS_TOKENS = ("anchor", "text", "pointer", "pointer-schema")  # rules that read the tokens' text (``TokenInfo``)
+NEEDS_POINTER = ("pointer", "pointer-schema")  # rules that read the trained pointer
+NEEDS_SCHEMA = ("schema", "pointer-schema")  # rules that follow the reply's JSON schema
 SCOPES = ("prompt", "context")
 # ``HybridConfig.head_p`` where it is not given: chosen for rule ``pointer`` in the simulator on the dev split's
 # greedy replies (module doc); the other rules keep the drafts they were measured with
-HEAD_P = {"pointer": 0.9}
+HEAD_P = {"pointer": 0.9, "pointer-schema": 0.9}
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,8 @@ class HybridConfig:
             object.__setattr__(self, "head_p", HEAD_P.get(self.rule, 0.0))
         if not 0.0 <= self.head_p <= 1.0:
             raise ValueError(f"hybrid head_p must be in [0, 1] (0 = off), got {self.head_p}")
-        if self.pointer and self.rule != "pointer":
-            raise ValueError("a hybrid's pointer is a setting of rule 'pointer'")
+        if self.pointer and self.rule not in NEEDS_POINTER:
+            raise ValueError(f"a hybrid's pointer is a setting of the rules that read one: {', '.join(NEEDS_POINTER)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,7 +101,7 @@ def for_target(cfg: HybridConfig | None, model_dir: Path | str | None) -> Hybrid
     directory where the rule is ``pointer`` (``""``: the bundled one). What a deployment, the simulator and
     ``draft acceptance`` run. Raises ``ModelNotFound`` for a pointer that is not there."""
     cfg = cfg if cfg is not None else HybridConfig(rule=default_rule(model_dir))
-    if cfg.rule == "pointer":
+    if cfg.rule in NEEDS_POINTER:
         from ..model.registry import resolve_pointer
 
         cfg = replace(cfg, pointer=str(resolve_pointer(cfg.pointer or None)))

@@ -285,6 +285,6 @@ def check_spec_head(spec: Any, force: bool = False, warn: Callable[[str], None] 
         return None
     found = check_head(head_dir, model_dir, force=force, warn=warn)
     cfg = sp.hybrid_config(str(model_dir)) if sp.method == "hybrid" else None
-    if cfg is not None and cfg.rule == "pointer":
+    if cfg is not None and cfg.pointer:  # a rule that reads the pointer (its directory resolved)
         check_head(Path(cfg.pointer), model_dir, force=force, warn=warn, what="pointer")
     return found

@@ -202,8 +202,10 @@ class Speculative(BaseModel):
     @property
     def follows_schema(self) -> bool:
         """Drafts from the reply's JSON schema: method ``schema``, or a hybrid with rule ``schema``."""
+        from ..drafting.config import NEEDS_SCHEMA
+
         return self.method == "schema" or (self.method == "hybrid" and self.hybrid is not None
-                                           and self.hybrid.rule == "schema")
+                                           and self.hybrid.rule in NEEDS_SCHEMA)
 
     def schema_dict(self) -> dict[str, Any] | None:
         """The schema drafter's schema for requests that send none: ``reply_schema``'s file, else the commerce

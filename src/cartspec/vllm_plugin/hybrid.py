@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..drafting.config import KEY, NEEDS_TOKENS, HybridConfig
+from ..drafting.config import KEY, NEEDS_POINTER, NEEDS_SCHEMA, NEEDS_TOKENS, HybridConfig
 from ..drafting.rules import propose
 from ..drafting.gate import gate
 from ..drafting.tokens import TokenInfo
@@ -181,7 +181,7 @@ _POINTER: dict[tuple[str, str], Any] = {}
 
 def runner_pointer(runner, cfg: HybridConfig):
     """The trained pointer over the served model's embedding (loaded once), for rule ``pointer``."""
-    if cfg.rule != "pointer":
+    if cfg.rule not in NEEDS_POINTER:
         return None
     key = (cfg.pointer, str(runner.model_config.model))  # asked every step: resolved and loaded once
     if key not in _POINTER:
@@ -220,8 +220,8 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
             if i < len(sampled_token_ids) and not sampled_token_ids[i]:
                 continue  # no token this step (partial prefill): nothing is drafted for it
         ctx = context_for(batch.token_ids_cpu[i], int(batch.num_tokens_no_spec[i]), srow, batch.vocab_size)
-        schema = runner_schemas(runner).of(runner, batch.req_ids[i]) if cfg.rule == "schema" else None
-        if cfg.rule == "schema" and schema is None:
+        schema = runner_schemas(runner).of(runner, batch.req_ids[i]) if cfg.rule in NEEDS_SCHEMA else None
+        if cfg.rule in NEEDS_SCHEMA and schema is None:
             continue  # no schema for this request: the head's draft stands
         new = propose(rows[i], ctx, int(batch.num_prompt_tokens[i]), cfg, info, pointer, schema=schema)
         if new != rows[i]:

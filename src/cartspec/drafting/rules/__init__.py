@@ -17,6 +17,7 @@ retired them: docs/drafting.md and docs/experiments.md):
 * ``pointer`` (the default): ``text`` plus a trained pointer that picks which word a value copies.
 * ``schema``: the head's draft checked against the reply's JSON schema (``drafting.schema``): the schema
   drafter's copies in short values and its drafts from the first token the grammar refuses.
+* ``pointer-schema``: ``pointer``'s draft checked against the schema the same way.
 
 ``lookup``, ``agree``, ``anchor`` and ``text`` are kept as baselines of the tests and the simulator; none of
 them drafted above the head alone on hand-written requests.
@@ -77,10 +78,12 @@ def _registry() -> dict[str, Rule]:
     from .head import Head
     from .lookup import Lookup
     from .pointer import PointerRule
+    from .pointer_schema import PointerSchema
     from .schema import SchemaRule
     from .text import Text
 
-    return {r.name: r for r in (Lookup(), Agree(), Head(), Anchor(), Text(), PointerRule(), SchemaRule())}
+    return {r.name: r for r in (Lookup(), Agree(), Head(), Anchor(), Text(), PointerRule(), SchemaRule(),
+                                PointerSchema())}
 
 
 # every rule object by name; ``config.RULES`` names the same rules (a test holds the two together)
@@ -104,7 +107,7 @@ def propose(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: H
             info: TokenInfo | None = None, pointer: Any = None, conf: Any = None, schema: Any = None) -> list[int]:
     """One request's hybrid draft: ``cfg.rule``'s draft, then the head's ``gate`` (``conf``: the head's
     probability of each of its tokens, a sequence or a mapping from positions; None: no gate; ``schema``: the
-    request's ``SchemaGrammar``, for rule ``schema``)."""
+    request's ``SchemaGrammar``, for the rules that follow a schema)."""
     step = Step(list(head), context, prompt_len, cfg, info, pointer, schema)
     return head_gate(draft(step), step.head, conf, cfg.head_p)
 
