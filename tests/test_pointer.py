@@ -106,7 +106,7 @@ def test_the_pointer_rule_needs_the_pointer_and_is_a_valid_setting(tmp_path):
                      hybrid={"rule": "pointer", "pointer": str(tmp_path)})
     with pytest.raises(ModelNotFound, match="cartspec draft pointer"):
         sp.hybrid_config()
-    with pytest.raises(ValueError, match="pointer is a setting of rule 'pointer'"):
+    with pytest.raises(ValueError, match="pointer is a setting of the rules that read one"):
         Speculative(method="hybrid", model="domain", num_speculative_tokens=3,
                     hybrid={"rule": "text", "pointer": "commerce"})
     # a spec file written before the hybrid block: its flat fields are read into it

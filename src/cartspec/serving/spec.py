@@ -201,11 +201,13 @@ class Speculative(BaseModel):
 
     @property
     def follows_schema(self) -> bool:
-        """Drafts from the reply's JSON schema: method ``schema``, or a hybrid with rule ``schema``."""
-        from ..drafting.config import NEEDS_SCHEMA
+        """Drafts from the reply's JSON schema: method ``schema``, or a hybrid whose rule follows one
+        (``drafting.config.NEEDS_SCHEMA``): its own, or without a ``hybrid`` block the default rule (which a
+        target without a pointer replaces by the head alone; the schema it carries is then unused)."""
+        from ..drafting.config import DEFAULT, NEEDS_SCHEMA
 
-        return self.method == "schema" or (self.method == "hybrid" and self.hybrid is not None
-                                           and self.hybrid.rule in NEEDS_SCHEMA)
+        rule = self.hybrid.rule if self.hybrid is not None else DEFAULT.rule
+        return self.method == "schema" or (self.method == "hybrid" and rule in NEEDS_SCHEMA)
 
     def schema_dict(self) -> dict[str, Any] | None:
         """The schema drafter's schema for requests that send none: ``reply_schema``'s file, else the commerce
