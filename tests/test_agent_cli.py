@@ -43,7 +43,7 @@ def test_default_spec_uses_a_head_when_there_is_one(tmp_path):
     from cartspec.model.registry import resolve_model
 
     assert spec.speculative.hybrid is None
-    assert spec.speculative.hybrid_config(resolve_model("commerce")).rule == "pointer-schema"
+    assert spec.speculative.hybrid_config(resolve_model("commerce")).rule == "pointer"
     assert "--enable-per-request-metrics" in spec.engine_args
     spec = default_spec("commerce", str(head), 3, enforce_eager=False, draft="eagle3")
     assert spec.speculative.method == "eagle3" and spec.speculative.hybrid is None
@@ -61,7 +61,7 @@ def test_default_spec_serves_the_head_alone_for_a_model_no_pointer_was_trained_f
     # with the pointer trained for it (serve --pointer DIR), the hybrid drafts with rule pointer
     spec = default_spec(str(tiny_llama_dir), str(head), 3, enforce_eager=False, pointer=str(tmp_path / "ptr"))
     sp = spec.speculative
-    assert (sp.method, sp.hybrid.rule, sp.hybrid.pointer) == ("hybrid", "pointer-schema", str(tmp_path / "ptr"))
+    assert (sp.method, sp.hybrid.rule, sp.hybrid.pointer) == ("hybrid", "pointer", str(tmp_path / "ptr"))
 
 
 def test_default_spec_without_head_serves_the_schema_drafter(monkeypatch, tmp_path):

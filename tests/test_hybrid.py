@@ -620,7 +620,7 @@ def test_serve_study_and_draft_acceptance_resolve_one_default_rule(tiny_llama_di
     served = default_spec("commerce", str(head), 3, enforce_eager=False).speculative.hybrid_config(str(bundled))
     studied = parse_deployment("hybrid:domain:3", "commerce").speculative.hybrid_config(str(bundled))
     measured = hybrid_config(target="commerce")
-    assert served == studied == measured and measured.rule == DEFAULT.rule == "pointer-schema"
+    assert served == studied == measured and measured.rule == DEFAULT.rule == "pointer"
     # a target no pointer was trained for: the hybrid drafts as the head alone, everywhere
     studied = parse_deployment("hybrid:domain:3", str(tiny_llama_dir)).speculative.hybrid_config(str(tiny_llama_dir))
     assert studied.rule == hybrid_config(target=str(tiny_llama_dir)).rule == "head"

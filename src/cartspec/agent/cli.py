@@ -38,7 +38,7 @@ def serve(
                                         "bundled model (eagle3 with --adaptive, whose schedule is the head's); "
                                         "schema for a model without a head"),
     pointer: Optional[str] = typer.Option(None, help="the hybrid's pointer trained for --model (the directory "
-                                          "`cartspec draft pointer` wrote): the hybrid drafts with rule pointer-schema "
+                                          "`cartspec draft pointer` wrote): the hybrid drafts with rule pointer "
                                           "(default: the bundled pointer where it was trained for --model, else "
                                           "the head alone)"),
     draft_stop: Optional[float] = typer.Option(

@@ -234,6 +234,7 @@ async def run_load(base_url: str, model: str, requests: Sequence[ChatRequest], c
     comes from the replies' per-request metrics when they carry any, else the point has none.
     ``step_stats``: the engine's step-time file (``vllm_plugin.steps``), read before and after the same way."""
     from ..vllm_plugin import steps
+
     if not requests:
         raise ValueError("no requests to send")
     headers = auth_headers(api_key)
@@ -256,6 +257,8 @@ async def run_load(base_url: str, model: str, requests: Sequence[ChatRequest], c
             await closed_loop(sender(1_000_000), warm, min(cfg.concurrency, cfg.warmup) if cfg.mode == "closed"
                               else min(cfg.warmup, 8), cfg.warmup)
         before = await scrape(http, base_url) if metrics else None
+        if step_stats is not None:  # the engine writes its counters every EVERY_S: the warm-up's last steps too
+            await asyncio.sleep(steps.EVERY_S + 0.05)
         steps_before = steps.read(step_stats)
         if cfg.mode == "closed":
             records, wall = await closed_loop(sender(0), requests, cfg.concurrency, cfg.n_requests,

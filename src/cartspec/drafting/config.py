@@ -2,11 +2,12 @@
 
 One default everywhere: a hybrid given no settings runs ``HybridConfig(rule=default_rule(target))`` in
 ``cartspec serve``, in ``cartspec draft acceptance --method hybrid`` and in the study's ``hybrid:HEAD:γ``,
-and every acceptance report and study point records the settings it ran. The default rule is
-``pointer-schema`` (``DEFAULT``: the pointer's draft checked against the reply's JSON schema; in vLLM on the
-novel set, words no generator pool holds, τ 3.41 and copied values 81% against ``pointer``'s 3.31 and 72%,
-docs/drafting.md); a target for which no pointer was trained gets rule ``head`` instead: the other copy rules
-drafted below the head alone on requests no generator wrote (docs/drafting.md, "Hybrid drafts").
+and every acceptance report and study point records the settings it ran. The default rule is ``pointer``
+(``DEFAULT``); a target for which no pointer was trained gets rule ``head`` instead: the other copy rules
+drafted below the head alone on requests no generator wrote (docs/drafting.md, "Hybrid drafts"). Rule
+``pointer-schema`` drafts more on requests no generator wrote (novel set in vLLM: τ 3.41, copied values 81%,
+against 3.31 and 72%) but its grammar check cost 10 ms a step at six requests in the engine, more than its τ
+gain bought on the commerce traffic (docs/drafting.md), so it is not the default.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class HybridConfig:
 
     n_min: int = 3
     n_max: int = 4
-    rule: str = "pointer-schema"
+    rule: str = "pointer"
     scope: str = "prompt"
     pointer: str = ""  # rule ``pointer``: the trained pointer's directory ("" = the bundled one)
     # the head's gate (``gate``): where a copy first differs from the head's draft and the head's probability
@@ -86,7 +87,7 @@ NO_POINTER = ("no pointer was trained for this target, so the hybrid drafts as t
 
 
 def default_rule(model_dir: Path | str | None, pointer: str | None = None) -> str:
-    """The rule a hybrid runs where none is given: ``DEFAULT.rule`` (``pointer-schema``) where a pointer is given or
+    """The rule a hybrid runs where none is given: ``DEFAULT.rule`` (``pointer``) where a pointer is given or
     the bundled one was trained for the target in ``model_dir``, else ``head`` (``NO_POINTER`` says why).
     ``serve``, ``draft acceptance`` and the study's deployments all resolve the rule here."""
     if pointer:

@@ -1,8 +1,9 @@
 """Patch ``draft_stop``: draft length per request and per step, in an EAGLE-3 deployment that asks for it.
 
 What it does (the rule: ``drafting.length``): each request's draft is cut where the head's probability of
-the path drafted so far falls below the deployment's threshold, so the target verifies only tokens the
-head is sure enough of. vLLM 0.32 drafts ``num_speculative_tokens`` for every request (a schedule sets it
+the path drafted so far falls below the deployment's threshold at this step's batch (``threshold_at``:
+whole from ``FULL_BATCH`` requests on, nothing cut at one), so the target verifies only tokens the head is
+sure enough of. vLLM 0.32 drafts ``num_speculative_tokens`` for every request (a schedule sets it
 per batch size, never per request), and its speculative config takes no such setting; the threshold
 travels in vLLM's ``additional_config`` (``{"cartspec_draft_stop": {"p": θ}}``), which ``VllmServer`` sets
 for a spec with ``speculative.draft_stop``.
@@ -10,8 +11,9 @@ for a spec with ``speculative.draft_stop``.
 Where it plugs in (vLLM 0.32 as installed):
 
 * the drafter's ``SpecDecodeBaseProposer._greedy_sample`` (vLLM's one place where each greedy draft token
-  is chosen) is wrapped on the instance: it computes the logits as vLLM does, takes vLLM's argmax, and
-  keeps the softmax probability of that token (``[batch]`` per position). The token choice is vLLM's.
+  is chosen) is wrapped on the instance: at a step that cuts, it takes the head's logits over its draft
+  vocabulary (``draft_targets``; the full logits where the head has none), the argmax vLLM takes, and the
+  softmax probability of that token (``[batch]`` per position); elsewhere it is vLLM's own.
   A drafter that picks tokens another way (``use_local_argmax_reduction``, a heterogeneous vocabulary)
   is left as it is, and nothing is cut;
 * ``GPUModelRunner.propose_draft_token_ids`` is wrapped: after vLLM's drafter returns its
