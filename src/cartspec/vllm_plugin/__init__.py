@@ -32,11 +32,13 @@ a needed patch that fails stops vLLM's start with its name.
 from __future__ import annotations
 
 import os
+import sys
+from typing import Any, Callable
 
 from .registry import PatchError, PatchStatus, install, not_loaded, read_report, summary
 
 __all__ = ["PatchError", "PatchStatus", "env_mode", "install", "not_loaded", "patches", "read_report", "register",
-           "summary"]
+           "runner_setting", "summary"]
 
 
 def env_mode(name: str, modes: tuple[str, ...]) -> str:
@@ -45,6 +47,20 @@ def env_mode(name: str, modes: tuple[str, ...]) -> str:
     if value not in modes:
         raise ValueError(f"{name} must be one of {modes}, got {value!r}")
     return value
+
+
+def runner_setting(runner, key: str, parse: Callable[[Any], Any], say: Callable[[Any], str] | None = None) -> Any:
+    """What this runner's deployment set under ``key`` in vLLM's ``additional_config`` (the settings vLLM keeps
+    for plugins; ``VllmServer`` writes them), ``parse``d, read once per runner and kept on it; None where it
+    set nothing (the patch then leaves vLLM as it is). ``say(value)``: a line for the server's log."""
+    kept = runner.__dict__.setdefault("_cartspec_settings", {})
+    if key not in kept:
+        extra = getattr(getattr(runner, "vllm_config", None), "additional_config", None) or {}
+        raw = extra.get(key) if isinstance(extra, dict) else None
+        kept[key] = parse(raw) if raw else None
+        if kept[key] is not None and say is not None:
+            print(say(kept[key]), file=sys.stderr, flush=True)
+    return kept[key]
 
 
 def patches() -> tuple:

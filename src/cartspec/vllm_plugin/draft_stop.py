@@ -28,7 +28,6 @@ statistics (``vllm_plugin.steps``).
 from __future__ import annotations
 
 import functools
-import sys
 
 from ..drafting.length import FULL_BATCH, KEY, check_stop_p, kept_lengths, threshold_at
 from .registry import Patch, Target
@@ -44,19 +43,12 @@ def stop_p(runner) -> tuple[float, int] | None:
     """This runner's threshold and the batch from which it applies whole (``drafting.length.threshold_at``):
     vLLM's ``additional_config`` under ``KEY``, read once per runner; None where the deployment did not ask
     (drafts pass through)."""
-    try:
-        return runner._cartspec_stop_p
-    except AttributeError:
-        pass
-    extra = getattr(getattr(runner, "vllm_config", None), "additional_config", None) or {}
-    value = extra.get(KEY) if isinstance(extra, dict) else None
-    setting = (check_stop_p(value["p"]), int(value.get("full_batch", FULL_BATCH))) if value else None
-    runner._cartspec_stop_p = setting
-    if setting is not None:
-        print(f"cartspec: draft length per request in this runner: stop where the draft's path probability "
-              f"< {setting[0]} from {setting[1]} requests in a step on (less below, nothing cut at one)",
-              file=sys.stderr, flush=True)
-    return setting
+    from . import runner_setting
+
+    return runner_setting(
+        runner, KEY, lambda v: (check_stop_p(v["p"]), int(v.get("full_batch", FULL_BATCH))),
+        lambda s: (f"cartspec: draft length per request in this runner: stop where the draft's path probability "
+                   f"< {s[0]} from {s[1]} requests in a step on (less below, nothing cut at one)"))
 
 
 def record_probs(drafter) -> list | None:

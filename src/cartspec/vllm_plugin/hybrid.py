@@ -73,17 +73,10 @@ def needed() -> str | None:
 def runner_config(runner) -> HybridConfig | None:
     """The hybrid's settings of this runner's deployment: vLLM's ``additional_config`` under ``KEY``, read once
     per runner; None for a deployment that is not a hybrid (the wrapper then passes the head's draft on)."""
-    try:
-        return runner._cartspec_hybrid
-    except AttributeError:
-        pass
-    extra = getattr(getattr(runner, "vllm_config", None), "additional_config", None) or {}
-    value = extra.get(KEY) if isinstance(extra, dict) else None
-    cfg = HybridConfig.from_dict(value) if value else None
-    runner._cartspec_hybrid = cfg
-    if cfg is not None:
-        print(f"cartspec: hybrid drafts in this runner: {cfg.to_json()}", file=sys.stderr, flush=True)
-    return cfg
+    from . import runner_setting
+
+    return runner_setting(runner, KEY, HybridConfig.from_dict,
+                          lambda cfg: f"cartspec: hybrid drafts in this runner: {cfg.to_json()}")
 
 
 def apply(mod) -> None:
