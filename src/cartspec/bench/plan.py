@@ -201,8 +201,9 @@ def preset(name: str, model: str = "commerce", head: str = "domain") -> SweepPla
             concurrencies=[1, 2, 4, 8, 16, 32], temperatures=[0.0, 0.5],
             # the baseline, the head at γ 3 and 5 and the adaptive schedule up at once (about 4.8 GB each
             # with the bundled model in float32), measured in turn at every point: the adaptive-vs-fixed and
-            # speculative-vs-baseline ratios are then free of the host's drift; the hybrids, n-gram and suffix
-            # follow
+            # speculative-vs-baseline ratios are then free of the host's drift; the draft cut per request, the
+            # hybrids, n-gram and suffix follow in groups of four (six servers of the bundled model did not fit
+            # a 24 GiB machine's memory)
             interleave=4,
             # 10..64 requests per point: about half an hour on 2 CPU cores; points are paired (the same
             # requests on every deployment), so ratios stay tight even with few requests.

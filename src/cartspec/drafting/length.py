@@ -15,7 +15,7 @@ model, 2-core AMD EPYC with AVX-512-bf16, bfloat16, one `paper`-preset run with 
 batch; docs/drafting.md, "Draft length per request").
 
 ``STOP_P`` was chosen in the simulator on the dev split's greedy replies (64, the bundled domain head,
-γ = 5; docs/drafting.md, "Draft length per request"): τ 3.92 with 3.6 tokens drafted a step, against
+γ = 5; docs/drafting.md, "Draft length per request"): 3.92 tokens per engine step with 3.6 drafted, against
 4.13 with 5 (the fixed γ = 5) and 3.17 with 3 (the fixed γ = 3).
 """
 
