@@ -97,8 +97,9 @@ def _target(open_endpoint: OpenEndpoint, what: DeploymentSpec | str, served_name
     ep = open_endpoint(what, served_name)
     if isinstance(what, DeploymentSpec):  # started here: what it runs is known
         info: dict[str, Any] = {"spec": what.model_dump(mode="json"), "versions": ep.versions}
-        if ep.step_stats_path is not None:
-            info["step_stats"] = str(ep.step_stats_path)
+        step_stats = getattr(ep, "step_stats_path", None)  # a vLLM this process started (not a stand-in)
+        if step_stats is not None:
+            info["step_stats"] = str(step_stats)
         head = head_ref(what)
     else:
         info = {"url": ep.url}

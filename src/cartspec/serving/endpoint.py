@@ -151,7 +151,7 @@ class Endpoint:
     @property
     def step_stats_path(self) -> "Path | None":
         """The engine's step-time file (``vllm_plugin.steps``) where this process started the vLLM, else None."""
-        return self.server.step_stats_path if self.server is not None else None
+        return getattr(self.server, "step_stats_path", None)  # None: no server here, or one without the file
 
     @property
     def has_metrics(self) -> bool:
