@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cartspec.drafting.length import FULL_BATCH, KEY, STOP_P, check_stop_p, kept_length, kept_lengths, threshold_at
-from cartspec.vllm_plugin import draft_stop, steps
+from cartspec.vllm_plugin import draft_stop, draft_vocab, steps
 
 
 def test_a_draft_is_cut_where_its_path_probability_falls_below_the_threshold():
@@ -44,7 +44,7 @@ def test_the_spec_the_label_and_the_study_carry_the_threshold():
     assert d.speculative.additional_config("/m") == {KEY: {"p": STOP_P}}
     assert "draft_stop" not in DeploymentSpec().model_dump()["speculative"]  # absent: left out of results' keys
     assert DeploymentSpec.model_validate(json.loads(d.model_dump_json())) == d
-    assert needs_patches(d) == ("draft_stop",) and needs_patches(DeploymentSpec()) == ()
+    assert needs_patches(d) == ("draft_vocab", "draft_stop") and needs_patches(DeploymentSpec()) == ()
     with pytest.raises(ValueError, match="setting of method 'eagle3'"):
         Speculative(method="ngram", num_speculative_tokens=3, draft_stop=0.5)
     assert any(x.speculative.draft_stop == STOP_P for x in preset("paper").deployments)
@@ -111,6 +111,28 @@ def test_the_patch_cuts_each_requests_draft_and_keeps_vllms_tokens(monkeypatch, 
     out = runner.propose_draft_token_ids(None)
     assert isinstance(out, torch.Tensor) and out.tolist() == [[4, 4, 4]]
     assert not hasattr(runner.drafter, "_cartspec_probs")  # the drafter was never asked for probabilities
+
+
+def test_draft_vocab_wraps_every_eagle3_drafter_and_records_only_at_the_steps_that_ask():
+    conf = [[0.9, 0.9, 0.9], [0.3, 0.9, 0.9], [0.99, 0.6, 0.8]]
+    mod = _stand_in({KEY: {"p": 0.5, "full_batch": 3}}, conf)
+    draft_vocab.apply(mod)  # innermost, as the plugin orders them
+    draft_stop.apply(mod)
+    runner = mod.GPUModelRunner()
+    assert runner.propose_draft_token_ids(None) == [[4, 4, 4], [], [4, 4]]
+    assert len(runner.drafter._cartspec_probs) == 3 and runner.drafter._cartspec_recording is False
+    plain = _stand_in({}, conf)  # an EAGLE-3 deployment that asks nothing: wrapped, records nothing
+    draft_vocab.apply(plain)
+    draft_stop.apply(plain)
+    runner = plain.GPUModelRunner()
+    assert runner.propose_draft_token_ids(None).tolist() == [[4, 4, 4]] * 3
+    assert runner.drafter._cartspec_probs == [] and runner.drafter._cartspec_recording is False
+    other = _stand_in({}, conf)  # another proposer: left alone
+    draft_vocab.apply(other)
+    runner = other.GPUModelRunner()
+    runner.speculative_config.method = "ngram"
+    runner.propose_draft_token_ids(None)
+    assert not hasattr(runner.drafter, "_cartspec_probs")
 
 
 def test_the_threshold_follows_the_batch():
@@ -251,11 +273,24 @@ def test_the_draft_vocabularys_probabilities_pick_vllms_token_and_its_softmax():
     with torch.no_grad():
         model.lm_head.weight[5] = model.lm_head.weight[9]  # a tie between two draft ids
     drafter = types.SimpleNamespace(model=model, _greedy_sample=lambda h: model.compute_logits(h).argmax(-1))
-    probs = draft_stop.record_probs(drafter)
+    probs = draft_vocab.record_probs(drafter)
     h = torch.randn(40, 8, generator=g)
     h[0] = 0  # every logit equal
     with torch.no_grad():
+        plain = drafter._greedy_sample(h)  # a step nobody records at: the token alone
+        assert probs == []
+        drafter._cartspec_recording = True
         ids = drafter._greedy_sample(h)
         full = model.compute_logits(h)
-    assert ids.tolist() == full.argmax(-1).tolist()
+    assert ids.tolist() == plain.tolist() == full.argmax(-1).tolist()
     assert torch.allclose(probs[0], full.softmax(-1).amax(-1), atol=1e-6)
+    # the hybrid's gate reads the same draft-vocabulary probabilities, for just the rows it asks
+    from cartspec.vllm_plugin.hybrid import head_probs
+
+    p = head_probs(drafter, [h], [(1, 0), (7, 0)])
+    assert p[(1, 0)] == pytest.approx(float(full.softmax(-1).amax(-1)[1]), abs=1e-6)
+    assert p[(7, 0)] == pytest.approx(float(full.softmax(-1).amax(-1)[7]), abs=1e-6)
+    # the draft ids, computed once per head, are computed anew when the head's mapping changes in place
+    assert draft_vocab.draft_targets(model) is draft_vocab.draft_targets(model)
+    model.draft_id_to_target_id[1] = -1  # no longer increasing: the full logits are used
+    assert draft_vocab.draft_targets(model) is None

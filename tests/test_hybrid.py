@@ -582,6 +582,16 @@ def test_the_drafter_keeps_its_hidden_states_and_the_gate_asks_for_just_the_prob
     assert record_hidden(None) is None
 
 
+def test_the_gate_reads_the_probabilities_recorded_while_the_head_drafted():
+    torch = pytest.importorskip("torch")
+    from cartspec.vllm_plugin.hybrid import recorded_probs
+
+    recorded = [torch.tensor([0.9, 0.2]), torch.tensor([0.5, 0.7])]  # per draft position, per request
+    assert recorded_probs(recorded, [(0, 0), (1, 1), (1, 5), (4, 0)]) == {
+        (0, 0): pytest.approx(0.9), (1, 1): pytest.approx(0.7)}  # positions or requests never drafted: no gate
+    assert recorded_probs([], [(0, 0)]) == {}
+
+
 def test_runner_drafts_pass_each_requests_probabilities_to_the_gate():
     torch = pytest.importorskip("torch")
     batch = _Batch([[1, 50, 60, 70, 80, 2, 9], [1, 50, 60, 70, 80, 2, 9]], [7, 7], [6, 6])

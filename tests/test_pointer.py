@@ -202,6 +202,34 @@ def test_a_trained_pointer_points_at_the_copied_word_and_round_trips(tmp_path):
         Pointer.load(tmp_path, model)
 
 
+def test_the_numpy_scorer_is_the_nets_function_split_per_prompt():
+    """What the engine runs at a value's opening (``Scorer``: the prompt's share of the first layer once,
+    the rest per value) gives the trained net's probabilities: the same picks in the server as in training."""
+    from cartspec.drafting.pointer import _DYNAMIC, FLAGS, N_SLOTS, PointerConfig, PointerNet, Scorer
+
+    torch.manual_seed(0)
+    cfg = PointerConfig(dim=8, hidden=16, embed_dim=12)
+    net = PointerNet(cfg).eval()
+    with torch.no_grad():
+        net.pad.normal_()
+        table = net.proj(torch.randn(50, 12))
+    sc = Scorer(net, table)
+    rng = np.random.default_rng(0)
+    for keys in ([3, 7], [], [9]):
+        n = 11
+        tokens = rng.integers(-1, 50, size=(n, N_SLOTS))
+        flags = rng.random((n, len(FLAGS))).astype(np.float32)
+        dynamic = flags[:, _DYNAMIC].copy()
+        static = flags.copy()
+        static[:, _DYNAMIC] = 0
+        got = sc.probs(sc.prompt_part(tokens, static), dynamic, keys, 4)
+        with torch.no_grad():
+            want = net.scores(table, torch.from_numpy(tokens)[None], torch.from_numpy(flags)[None],
+                              torch.ones(1, n, dtype=torch.bool), torch.tensor([keys or [-1]]),
+                              torch.tensor([4]))[0].softmax(0).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_pointer_trained_for_another_model_is_refused(tmp_path):
     import shutil
 

@@ -94,6 +94,8 @@ class PromptWords:
     prev_words: list[str]
     tokens: np.ndarray
     flags: np.ndarray
+    # what a pointer computes once per prompt (``Pointer.probs``: its candidates' share of the first layer)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 _PROMPTS: dict[tuple, PromptWords] = {}
@@ -163,17 +165,32 @@ def candidates(context: Sequence[int], prompt_len: int, q: int, key: str, texts:
                special: str) -> Candidates:
     """The prompt's candidate words (``prompt_words``) with the flags that read the reply so far (up to
     the quote ``context[q]``) and the key whose value opens there."""
-    P = min(prompt_len, len(context))
-    pw = prompt_words(context[:P], texts, special)
-    reply = fold("".join(texts[t] for t in context[P:q + 1]))
-    fkey = fold(key)
-    parts = fkey.split("_") if fkey else []
+    pw = prompt_words(context[:min(prompt_len, len(context))], texts, special)
     flags = pw.flags.copy()
-    for n, (w, prev) in enumerate(zip(pw.words, pw.prev_words)):
-        flags[n, _DYNAMIC] = (float(bool(w) and (f'"{w}' in reply or f" {w}" in reply)),
-                              float(bool(parts) and (w == fkey or w in parts)),
-                              float(bool(parts) and bool(prev) and (prev == fkey or prev in parts)))
+    flags[:, _DYNAMIC] = dynamic_flags(pw, context, prompt_len, q, key, texts)
     return Candidates(pw.text, pw.starts, pw.lowered, pw.tokens, flags)
+
+
+def dynamic_flags(pw: PromptWords, context: Sequence[int], prompt_len: int, q: int, key: str,
+                  texts: Sequence[str]) -> np.ndarray:
+    """The flags that read the reply so far (up to the quote ``context[q]``) and the key whose value opens
+    there, for each of ``pw``'s candidates: [n, 3] (``in_reply``, ``is_key``, ``after_key``). Each distinct
+    word is looked up once (a word is offered twice where its lower case differs)."""
+    P = min(prompt_len, len(context))
+    reply = fold("".join([texts[t] for t in context[P:q + 1]]))
+    fkey = fold(key)
+    names = set(fkey.split("_")) | {fkey} if fkey else set()
+    seen: dict[str, float] = {}
+    out = np.zeros((len(pw.words), 3), dtype=np.float32)
+    for n, (w, prev) in enumerate(zip(pw.words, pw.prev_words)):
+        r = seen.get(w)
+        if r is None:
+            r = seen[w] = float(bool(w) and (f'"{w}' in reply or f" {w}" in reply))
+        out[n, 0] = r
+        if names:
+            out[n, 1] = w in names
+            out[n, 2] = bool(prev) and prev in names
+    return out
 
 
 def continuation(c: Candidates, n: int, k: int, encode: Callable[[str], list[int]]) -> list[int]:
@@ -218,8 +235,9 @@ class Pointer:
         self.cfg = cfg
         with torch.no_grad():
             self.table = net.proj(embed.float())
+        self.scorer = Scorer(net, self.table)
         self._keys: dict[str, list[int]] = {}
-        self._memo: dict[tuple, tuple[Candidates, torch.Tensor]] = {}
+        self._memo: dict[tuple, tuple[Candidates, np.ndarray]] = {}
 
     @classmethod
     def load(cls, pointer_dir: Path, model_dir: Path) -> "Pointer":
@@ -241,28 +259,33 @@ class Pointer:
                              f"the embedding of {model_dir} has {embed.shape[1]}")
         return cls(net, embed, cfg)
 
-    @torch.no_grad()
     def probs(self, context: Sequence[int], prompt_len: int, texts: Sequence[str],
-              encode: Callable[[str], list[int]], special: str) -> tuple[Candidates, torch.Tensor]:
+              encode: Callable[[str], list[int]], special: str) -> tuple[Candidates, np.ndarray]:
         """At a value's opening quote (the context's last token): the candidates and the probabilities of
-        "no copy" (index 0) and of each candidate. Cached per context (a value's later positions ask again)."""
+        "no copy" (index 0) and of each candidate (float32). Cached per context (a value's later positions
+        ask again); the candidates' share of the net's first layer is computed once per prompt
+        (``Scorer.prompt_part``), so a value's opening costs the flags that read the reply and two small
+        matrix products in numpy (no torch call on the engine's cores)."""
         memo = tuple(context)
         hit = self._memo.get(memo)
         if hit is not None:
             return hit
         q = len(context) - 1
         key = value_key(context, prompt_len, q, texts)
-        c = candidates(context, prompt_len, q, key, texts, special)
-        if not c.starts:
-            out = (c, torch.ones(1))
+        pw = prompt_words(context[:min(prompt_len, len(context))], texts, special)
+        dyn = dynamic_flags(pw, context, prompt_len, q, key, texts)
+        if not pw.starts:
+            p = np.ones(1, dtype=np.float32)
         else:
             if key not in self._keys:
                 self._keys[key] = [t for t in encode(key) if 0 <= t < len(self.table)] if key else []
-            ids = self._keys[key] or [-1]
-            s = self.net.scores(self.table, torch.from_numpy(c.tokens)[None], torch.from_numpy(c.flags)[None],
-                                torch.ones(1, len(c.starts), dtype=torch.bool), torch.tensor([ids]),
-                                torch.tensor([int(context[q])]))[0]
-            out = (c, s.softmax(0))
+            part = pw.memo.get(self)
+            if part is None:
+                part = pw.memo[self] = self.scorer.prompt_part(pw.tokens, pw.flags)
+            p = self.scorer.probs(part, dyn, self._keys[key], int(context[q]))
+        flags = pw.flags.copy()
+        flags[:, _DYNAMIC] = dyn
+        out = (Candidates(pw.text, pw.starts, pw.lowered, pw.tokens, flags), p)
         if len(self._memo) >= MEMO:
             self._memo.pop(next(iter(self._memo)))
         self._memo[memo] = out
@@ -282,6 +305,51 @@ class Pointer:
                 encode: Callable[[str], list[int]], special: str) -> float:
         """The probability that the value opening at the context's last token copies no prompt word."""
         return float(self.probs(context, prompt_len, texts, encode, special)[1][0])
+
+
+class Scorer:
+    """``PointerNet.scores`` for one value's opening, in numpy, split so that what depends only on the prompt
+    is computed once per prompt: the candidate MLP's first layer is ``W_tokens @ tokens + W_flags @ flags +
+    W_context @ context + b``; the first two terms (the dynamic flags' columns aside) are ``prompt_part``,
+    the rest ``probs``. The same function as the net's, float32 (a test holds the two together)."""
+
+    def __init__(self, net: PointerNet, table: torch.Tensor):
+        d = net.proj.out_features
+        w1, b1 = net.cand[0].weight.detach().float().numpy(), net.cand[0].bias.detach().float().numpy()
+        cut = d * N_SLOTS
+        self.w_tokens = np.ascontiguousarray(w1[:, :cut].T)  # [N_SLOTS * d, h]
+        self.w_context = np.ascontiguousarray(w1[:, cut:cut + 2 * d].T)  # [2d, h]
+        self.w_flags = np.ascontiguousarray(w1[:, cut + 2 * d:].T)  # [F, h]
+        self.w_dynamic = np.ascontiguousarray(self.w_flags[_DYNAMIC])  # [3, h]
+        self.b1 = b1
+        self.w2 = net.cand[2].weight.detach().float().numpy()[0]  # [h]
+        self.b2 = float(net.cand[2].bias.detach().float()[0])
+        self.n1 = np.ascontiguousarray(net.null[0].weight.detach().float().numpy().T)  # [2d, h]
+        self.nb1 = net.null[0].bias.detach().float().numpy()
+        self.n2 = net.null[2].weight.detach().float().numpy()[0]
+        self.nb2 = float(net.null[2].bias.detach().float()[0])
+        self.table = table.detach().float().numpy()  # [V, d]
+        self.pad = net.pad.detach().float().numpy()
+
+    def prompt_part(self, tokens: np.ndarray, flags: np.ndarray) -> np.ndarray:
+        """[n, h]: the candidates' tokens and their flags that do not read the reply, through the first layer
+        (the dynamic flags' columns are 0 in ``flags``), with its bias."""
+        rows = np.where((tokens >= 0)[..., None], self.table[np.clip(tokens, 0, None)], self.pad)
+        static = flags.copy()
+        static[:, _DYNAMIC] = 0.0
+        return rows.reshape(len(tokens), -1) @ self.w_tokens + static @ self.w_flags + self.b1
+
+    def probs(self, part: np.ndarray, dynamic: np.ndarray, key_ids: Sequence[int], quote: int) -> np.ndarray:
+        """Softmax over "no copy" then each candidate, given ``prompt_part``'s rows, the dynamic flags [n, 3],
+        the key's token ids ([] for none: a zero vector, as the net's mask gives) and the quote's token."""
+        key_vec = self.table[list(key_ids)].mean(0) if len(key_ids) else np.zeros_like(self.pad)
+        ctx = np.concatenate([key_vec, self.table[quote]])
+        hidden = np.maximum(part + dynamic @ self.w_dynamic + ctx @ self.w_context, 0.0)
+        logits = np.empty(len(part) + 1, dtype=np.float32)
+        logits[0] = np.maximum(ctx @ self.n1 + self.nb1, 0.0) @ self.n2 + self.nb2
+        logits[1:] = hidden @ self.w2 + self.b2
+        e = np.exp(logits - logits.max())
+        return e / e.sum()
 
 
 def save(net: PointerNet, cfg: PointerConfig, out: Path) -> Path:

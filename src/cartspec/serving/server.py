@@ -106,9 +106,9 @@ NEEDS_PATCH = {"hybrid": ("hybrid",), "schema": ("schema_batch",)}
 
 def needs_patches(spec: DeploymentSpec) -> tuple[str, ...]:
     """The plugin's patches this deployment cannot draft as asked without (``NEEDS_PATCH``, and ``draft_stop``
-    for a draft cut per request)."""
+    with the head's probabilities from ``draft_vocab`` for a draft cut per request)."""
     sp = spec.speculative
-    return NEEDS_PATCH.get(sp.method, ()) + (("draft_stop",) if sp.draft_stop is not None else ())
+    return NEEDS_PATCH.get(sp.method, ()) + (("draft_vocab", "draft_stop") if sp.draft_stop is not None else ())
 
 
 class VllmServer:

@@ -16,11 +16,15 @@ returns the combined tensor. The settings travel in vLLM's ``additional_config``
 dataclass that rejects keys it does not know. A runner without them drafts as vLLM does.
 
 The gate needs the head's probability of the token it drafted, which vLLM's drafter never computes (it
-takes an argmax): ``record_hidden`` wraps the drafter's ``_greedy_sample`` (vLLM 0.32's one place where
-each greedy draft token is chosen, the first position and each after it) on the instance to keep the hidden
-states it chose from, and ``hybrid_drafts``, once it knows where each request's combined draft first
-differs from the head's, asks ``head_probs`` for just those rows (one ``compute_logits`` per step). Where
-the drafter samples its drafts nothing is recorded and no gate applies.
+takes an argmax). The drafter's ``_greedy_sample`` (vLLM 0.32's one place where each greedy draft token is
+chosen, the first position and each after it) is wrapped on the instance by patch ``draft_vocab`` (``record_probs``):
+the head's draft-vocabulary logits, their argmax (vLLM's token) and its probability, from one product
+with the head's output layer, where vLLM's own would also spread them over the target's vocabulary. The
+gate reads those probabilities (``recorded_probs``) for each request's first position where the combined
+draft differs from the head's. For a drafter ``record_probs`` cannot read (vLLM's local-argmax or
+heterogeneous-vocabulary modes) ``record_hidden`` keeps the hidden states instead and ``head_probs``
+computes just the rows asked (one ``compute_logits`` per step). Where the drafter samples its drafts
+nothing is recorded and no gate applies.
 
 In eagle's padded-batch mode (vLLM's default) the drafter runs *before* the
 runner's bookkeeping: ``input_batch.token_ids_cpu`` / ``num_tokens_no_spec`` do
@@ -46,6 +50,7 @@ from ..drafting.config import KEY, NEEDS_POINTER, NEEDS_SCHEMA, NEEDS_TOKENS, Hy
 from ..drafting.rules import propose
 from ..drafting.gate import gate
 from ..drafting.tokens import TokenInfo
+from .draft_vocab import draft_targets, record_probs
 from .registry import Patch, Target
 from .schema import runner_schemas
 
@@ -92,14 +97,21 @@ def apply(mod) -> None:
             return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         method = getattr(self.speculative_config, "method", None)
         drafter = getattr(self, "drafter", None)
-        hidden = record_hidden(drafter) if method == "eagle3" and cfg.head_p > 0 else None
-        if hidden is not None:
-            hidden.clear()
+        gated = method == "eagle3" and cfg.head_p > 0
+        recorded = record_probs(drafter) if gated else None
+        hidden = record_hidden(drafter) if gated and recorded is None else None
+        for kept in (recorded, hidden):
+            if kept is not None:
+                kept.clear()
+        if recorded is not None:
+            drafter._cartspec_recording = True
         drafts = original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         if method != "eagle3" or drafts is None:
             return drafts
         probs = None
-        if hidden:
+        if recorded:
+            probs = lambda pairs: recorded_probs(recorded, pairs)  # noqa: E731
+        elif hidden:
             probs = lambda pairs: head_probs(drafter, hidden, pairs)  # noqa: E731
         return hybrid_drafts(self, drafts, sampled_token_ids, cfg, runner_token_info(self, cfg),
                              runner_pointer(self, cfg), probs)
@@ -137,6 +149,20 @@ def record_hidden(drafter) -> list | None:
     return hidden
 
 
+def recorded_probs(recorded: list, pairs: Sequence[tuple[int, int]]) -> dict[tuple[int, int], float]:
+    """``head_probs`` from what ``draft_vocab.record_probs`` kept while the head drafted (its probability of
+    each token it chose, per position, computed with its choice from the same logits): nothing is
+    recomputed. Pairs outside what was recorded are left out (no gate there)."""
+    rows: dict[int, list[float]] = {}
+    out = {}
+    for i, j in pairs:
+        if j < len(recorded) and i < recorded[j].shape[0]:
+            if j not in rows:
+                rows[j] = recorded[j].tolist()
+            out[(i, j)] = rows[j][i]
+    return out
+
+
 def head_probs(drafter, hidden: list, pairs: Sequence[tuple[int, int]]) -> dict[tuple[int, int], float]:
     """The head's probability of its own (greedy) token for request ``i`` at draft position ``j``, for each
     ``(i, j)`` of ``pairs``: one ``compute_logits`` over just those rows of the recorded hidden states.
@@ -148,7 +174,13 @@ def head_probs(drafter, hidden: list, pairs: Sequence[tuple[int, int]]) -> dict[
 
     rows = torch.stack([hidden[j][i] for i, j in pairs])
     with torch.no_grad():
-        lf = drafter.model.compute_logits(rows).float()
+        model = drafter.model
+        if draft_targets(model) is not None:
+            # the head's draft vocabulary's logits, before vLLM spreads them over the target's (-inf elsewhere):
+            # the same probability of its argmax, a sixth of the softmax (``draft_vocab.draft_targets``)
+            lf = model.logits_processor(model.lm_head, rows).float()
+        else:
+            lf = model.compute_logits(rows).float()
         p = (lf.max(dim=-1).values - lf.logsumexp(dim=-1)).exp().cpu().tolist()
     return dict(zip(pairs, p))
 
