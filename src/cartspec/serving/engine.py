@@ -14,14 +14,20 @@ from ..machine import (auto_dtype, compute_dtype, cpu_features, engine_versions,
 
 def engine_env() -> dict[str, str]:
     """Environment for vLLM processes. On CPU, compute on every core (vLLM reserves one by default, which
-    on a 2-core machine leaves one of two cores idle; docs/machine-notes.md); a user's own setting wins."""
+    on a 2-core machine leaves one of two cores idle; docs/machine-notes.md); a user's own setting wins.
+
+    cartspec's drafters run inside the engine's worker, between the model's steps: numpy's OpenBLAS (the
+    pointer's small products) and the tokenizer's thread pool (re-encoding a copy) are kept to the calling
+    thread, so that no thread pool of theirs spins on the cores the model's threads are bound to."""
+    quiet = {"OPENBLAS_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if machine.has_cuda():
-        return {}
+        return {k: os.environ.get(k, v) for k, v in quiet.items()}
     n = os.cpu_count() or 1
     defaults = {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{n - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_KVCACHE_SPACE": "4",
+        **quiet,
     }
     return {k: os.environ.get(k, v) for k, v in defaults.items()}
 
