@@ -166,8 +166,13 @@ def candidates(context: Sequence[int], prompt_len: int, q: int, key: str, texts:
     """The prompt's candidate words (``prompt_words``) with the flags that read the reply so far (up to
     the quote ``context[q]``) and the key whose value opens there."""
     pw = prompt_words(context[:min(prompt_len, len(context))], texts, special)
+    return with_dynamic(pw, dynamic_flags(pw, context, prompt_len, q, key, texts))
+
+
+def with_dynamic(pw: PromptWords, dynamic: np.ndarray) -> Candidates:
+    """``pw``'s candidates with the flags that read the reply (``dynamic_flags``) filled in."""
     flags = pw.flags.copy()
-    flags[:, _DYNAMIC] = dynamic_flags(pw, context, prompt_len, q, key, texts)
+    flags[:, _DYNAMIC] = dynamic
     return Candidates(pw.text, pw.starts, pw.lowered, pw.tokens, flags)
 
 
@@ -283,9 +288,7 @@ class Pointer:
             if part is None:
                 part = pw.memo[self] = self.scorer.prompt_part(pw.tokens, pw.flags)
             p = self.scorer.probs(part, dyn, self._keys[key], int(context[q]))
-        flags = pw.flags.copy()
-        flags[:, _DYNAMIC] = dyn
-        out = (Candidates(pw.text, pw.starts, pw.lowered, pw.tokens, flags), p)
+        out = (with_dynamic(pw, dyn), p)
         if len(self._memo) >= MEMO:
             self._memo.pop(next(iter(self._memo)))
         self._memo[memo] = out
