@@ -58,7 +58,19 @@ def main() -> None:
     seqs = sequences_from_gold(tok, load_data("test", limit=args.requests)[:args.requests])
     cfg = HybridConfig(rule=args.rule)
     info = TokenInfo.from_tokenizer(tok)
-    pointer = Pointer.load(resolve_pointer(None), model) if args.rule == "pointer" else None
+    try:
+        from cartspec.drafting.config import NEEDS_POINTER, NEEDS_SCHEMA
+    except ImportError:  # an older version: only rule ``pointer`` read the pointer, none a schema
+        NEEDS_POINTER, NEEDS_SCHEMA = ("pointer",), ()
+    pointer = Pointer.load(resolve_pointer(None), model) if args.rule in NEEDS_POINTER else None
+    vllm_config = None
+    if args.rule in NEEDS_SCHEMA:  # the runner's schemas: the deployment's default, the commerce replies'
+        from cartspec.task.schema import reply_schema
+        from cartspec.vllm_plugin.schema import KEY as SCHEMA_KEY
+
+        vllm_config = types.SimpleNamespace(additional_config={SCHEMA_KEY: {"schema": reply_schema()}},
+                                            model_config=types.SimpleNamespace(model=str(model), tokenizer=str(model)))
+    runner_extra = {}  # kept across steps as a runner keeps its attributes (the compiled schema, made once)
     k = args.gamma
     import cartspec
 
@@ -88,9 +100,10 @@ def main() -> None:
                 batch = types.SimpleNamespace(num_reqs=B, token_ids_cpu=rows,
                                               num_tokens_no_spec=np.array(pos, dtype=np.int64),
                                               num_prompt_tokens=np.array([p for _, p in group], dtype=np.int64),
-                                              vocab_size=len(tok))
-                runner = types.SimpleNamespace(input_batch=batch,
-                                               discard_request_mask=types.SimpleNamespace(np=np.zeros(B, bool)))
+                                              vocab_size=len(tok), req_ids=[f"r{start + i}" for i in range(B)])
+                runner = types.SimpleNamespace(input_batch=batch, vllm_config=vllm_config, requests={},
+                                               discard_request_mask=types.SimpleNamespace(np=np.zeros(B, bool)),
+                                               **runner_extra)
                 sampled = torch.full((B, k + 1), -1, dtype=torch.int64)
                 heads = torch.zeros((B, k), dtype=torch.int64)
                 for i in range(B):
@@ -102,6 +115,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 hybrid_drafts(runner, heads, sampled, cfg, info, pointer)
                 times.append(time.perf_counter() - t0)
+                if hasattr(runner, "_cartspec_schemas"):
+                    runner_extra["_cartspec_schemas"] = runner._cartspec_schemas
                 for i in range(B):
                     pos[i] = min(pos[i] + last[i], ends[i] - 1)
                     last[i] = 1 + rng.choice(range(k + 1))
@@ -118,6 +133,9 @@ def main() -> None:
         pointer_mod._PROMPTS.clear()
         if pointer is not None:
             pointer._memo.clear()
+        for schemas in runner_extra.values():  # each request's grammar track
+            for g in schemas.grammars.values():
+                g._tracks.clear()
 
     run_batch(1, 99)  # the first call's imports and allocations
     for B in [int(x) for x in args.batches.split(",")]:

@@ -45,9 +45,14 @@ def test_the_spec_the_label_and_the_study_carry_the_threshold():
     assert "draft_stop" not in DeploymentSpec().model_dump()["speculative"]  # absent: left out of results' keys
     assert DeploymentSpec.model_validate(json.loads(d.model_dump_json())) == d
     assert needs_patches(d) == ("draft_vocab", "draft_stop") and needs_patches(DeploymentSpec()) == ()
-    with pytest.raises(ValueError, match="setting of method 'eagle3'"):
+    with pytest.raises(ValueError, match="setting of methods 'eagle3' and 'hybrid'"):
         Speculative(method="ngram", num_speculative_tokens=3, draft_stop=0.5)
     assert any(x.speculative.draft_stop == STOP_P for x in preset("paper").deployments)
+    h = parse_deployment("hybrid:domain:5:stop", "commerce")  # the hybrid cut the same way, its rule the default
+    assert (h.speculative.method, h.speculative.draft_stop, h.speculative.hybrid) == ("hybrid", STOP_P, None)
+    assert h.label == f"hybrid-domain-stop{STOP_P:g}-g5" and needs_patches(h)[-2:] == ("draft_vocab", "draft_stop")
+    r = parse_deployment("hybrid-pointer:domain:3:stop0.6", "commerce").speculative
+    assert (r.hybrid.rule, r.draft_stop, r.num_speculative_tokens) == ("pointer", 0.6, 3)
     env = VllmServer(d, log_dir="/tmp/x-logs", port=1234).environment()
     assert env[steps.ENV].endswith("vllm-cartspec-eagle3-domain-stop0.5-g5-1234.steps.json")
 
@@ -135,6 +140,60 @@ def test_draft_vocab_wraps_every_eagle3_drafter_and_records_only_at_the_steps_th
     assert not hasattr(runner.drafter, "_cartspec_probs")
 
 
+def test_a_hybrids_draft_is_cut_only_by_the_heads_own_tokens_before_its_first_copy():
+    from cartspec.drafting.length import first_copy, with_copy
+
+    assert with_copy(1, 2, 3) == 1  # unsure before the copy: cut there, the copy with it
+    assert with_copy(2, 2, 3) == 3 and with_copy(3, 0, 3) == 3  # sure up to the copy: the whole draft
+    assert with_copy(2, None, 3) == 2  # no copy: the head's cut
+    assert first_copy([1, 2, 9], [1, 2, 3]) == 2 and first_copy([1, 2, 3], [1, 2, 3]) is None
+    # in a runner: patch hybrid (stood in for here) runs inside draft_stop's wrap and leaves its copies
+    conf = [[0.9, 0.9, 0.9], [0.3, 0.9, 0.9], [0.99, 0.6, 0.8]]  # paths 0.729 | 0.3 | 0.99, 0.594, 0.475
+    mod = _stand_in({KEY: {"p": 0.5, "full_batch": 3}}, conf)
+    draft_vocab.apply(mod)
+    inner = mod.GPUModelRunner.propose_draft_token_ids
+
+    def hybrid_like(self, scheduler_output, *args, **kwargs):
+        d = inner(self, scheduler_output, *args, **kwargs).clone()
+        d[1, 2] = 7  # request 1 copies at position 2, behind a head token the head was unsure of (0.3)
+        d[2, 1:] = 7  # request 2 copies from position 1, behind a token the head was sure of (0.99)
+        self._cartspec_copies = {1: 2, 2: 1}
+        return d
+
+    mod.GPUModelRunner.propose_draft_token_ids = hybrid_like
+    draft_stop.apply(mod)
+    runner = mod.GPUModelRunner()
+    # request 0 the head's cut (none needed); 1 cut before its copy; 2 kept whole, where the head alone keeps 2
+    assert runner.propose_draft_token_ids(None) == [[4, 4, 4], [], [4, 7, 7]]
+    assert runner._cartspec_copies == {1: 2, 2: 1}
+
+
+def test_the_simulator_cuts_a_hybrids_draft_as_the_patch_does():
+    from cartspec.draft.simulate import simulate_hybrid
+    from cartspec.drafting.config import HybridConfig
+
+    # the prompt holds 5 6 7 8; the reply copies it after 3: the lookup drafts 6 7 8 where the head drafts 0s
+    tokens = [5, 6, 7, 8, 1, 2, 5, 6, 7, 8, 3]
+    P = 5
+    fs = types.SimpleNamespace(n_seqs=1, seq=lambda s: slice(0, len(tokens)), input_ids=torch.tensor(tokens),
+                               prompt_lens=torch.tensor([P]))
+    n = len(tokens) - P
+    preds = [torch.zeros(n, 3, dtype=torch.long)]
+    cfg = HybridConfig(rule="lookup", head_p=0.0)
+    sure, unsure = torch.full((n, 3), 0.99), torch.full((n, 3), 0.3)
+    plain, _ = simulate_hybrid(preds, fs, 3, cfg, probs=[unsure])
+    cut, _ = simulate_hybrid(preds, fs, 3, cfg, probs=[unsure], stop_p=0.5)
+    # the copies (from position 0, the head unsure of nothing before them) are kept whole; the head's own
+    # drafts, unsure from their first token, are cut to nothing: the same tokens accepted, fewer drafted
+    assert plain["accepted_tokens"] == cut["accepted_tokens"] > 0
+    assert 0 < cut["draft_tokens"] < plain["draft_tokens"]
+    head = HybridConfig(rule="head", head_p=0.0)
+    assert simulate_hybrid(preds, fs, 3, head, probs=[unsure], stop_p=0.5)[0]["draft_tokens"] == 0
+    assert simulate_hybrid(preds, fs, 3, head, probs=[sure], stop_p=0.5)[0]["draft_tokens"] == 3 * (n - 1)
+    with pytest.raises(ValueError, match="needs the head's probabilities"):
+        simulate_hybrid(preds, fs, 3, cfg, stop_p=0.5)
+
+
 def test_the_threshold_follows_the_batch():
     assert threshold_at(0.5, 1) == 0.0 and threshold_at(0.5, FULL_BATCH) == 0.5 and threshold_at(0.5, 64) == 0.5
     assert threshold_at(0.5, 2) == pytest.approx(0.5 / (FULL_BATCH - 1))
@@ -186,7 +245,7 @@ def test_in_vllm_drafts_are_cut_per_request_replies_stay_the_targets_and_steps_a
     """A tiny random Llama and a random head, whose path probabilities straddle the threshold: some requests
     keep drafts, some keep fewer or none, at every step. Greedy replies stay the plain deployment's token for
     token; sampled requests run through vLLM's rejection sampler with drafts of every length; the step file
-    times drafting and verifying."""
+    times drafting and verifying. A hybrid cut the same way keeps the greedy replies too."""
     import asyncio
 
     from conftest import make_random_head
@@ -227,6 +286,17 @@ def test_in_vllm_drafts_are_cut_per_request_replies_stay_the_targets_and_steps_a
     assert total["draft_ms"] > 0 and total["verify_ms"] > 0
     plain = steps.summary(by0)
     assert plain["draft_ms"] < total["draft_ms"] and "kept_share" not in plain
+    # the hybrid (the prompt's n-gram copies over the head's draft) cut the same way: the two patches stack
+    from cartspec.drafting.config import HybridConfig
+
+    hybrid = base.model_copy(update={"speculative": Speculative(
+        method="hybrid", model=str(head), num_speculative_tokens=3, draft_stop=2e-5,
+        hybrid=HybridConfig(rule="lookup", scope="context"))})
+    (g2, _), by2, log = run(hybrid, "hybrid")
+    assert "cartspec patch: hybrid applied" in log and "hybrid drafts in this runner" in log
+    assert "draft length per request in this runner" in log
+    assert [c.raw["choices"][0]["token_ids"] for c in g2] == [c.raw["choices"][0]["token_ids"] for c in g0]
+    assert 0 < steps.summary(by2)["kept_share"] < 1, by2
 
 
 def test_serve_and_draft_acceptance_take_the_threshold_and_refuse_it_without_a_head(monkeypatch):
@@ -237,11 +307,13 @@ def test_serve_and_draft_acceptance_take_the_threshold_and_refuse_it_without_a_h
 
     spec = default_spec("commerce", "domain", 5, True, draft="eagle3", draft_stop=STOP_P)
     assert spec.speculative.draft_stop == STOP_P and spec.label == "eagle3-domain-stop0.5-g5"
-    for draft, head in (("hybrid", "domain"), ("eagle3", "none"), ("schema", "auto")):
-        with pytest.raises(ValueError, match="--draft-stop cuts an EAGLE-3 head's drafts"):
+    spec = default_spec("commerce", "domain", 5, True, draft="hybrid", draft_stop=STOP_P)
+    assert spec.speculative.method == "hybrid" and spec.speculative.draft_stop == STOP_P
+    for draft, head in (("eagle3", "none"), ("schema", "auto"), ("schema", "domain")):
+        with pytest.raises(ValueError, match="--draft-stop cuts by an EAGLE-3 head's probabilities"):
             default_spec("commerce", head, 5, True, draft=draft, draft_stop=STOP_P)
     r = CliRunner().invoke(app, ["draft", "acceptance", "--method", "ngram", "--draft-stop", "0.5", "--out", "x.json"])
-    assert r.exit_code != 0 and "--draft-stop" in r.output and "--method eagle3" in r.output
+    assert r.exit_code != 0 and "--draft-stop" in r.output and "eagle3 or hybrid" in " ".join(r.output.split())
     r = CliRunner().invoke(app, ["draft", "acceptance", "--method", "eagle3", "--head", "domain", "--draft-stop", "1.5",
                                   "--out", "x.json"])
     assert r.exit_code != 0 and "strictly between 0 and 1" in r.output

@@ -42,9 +42,10 @@ def serve(
                                           "(default: the bundled pointer where it was trained for --model, else "
                                           "the head alone)"),
     draft_stop: Optional[float] = typer.Option(
-        None, "--draft-stop", help="with --draft eagle3: draft length per request, each request's draft cut where "
-                                   "the head's path probability falls below this (0.5 is what the study's "
-                                   "eagle3:HEAD:γ:stop measures); --gamma is then the longest draft"),
+        None, "--draft-stop", help="with --draft eagle3 or hybrid: draft length per request, each request's draft "
+                                   "cut where the head's path probability falls below this (a hybrid's only "
+                                   "before its first copied token; 0.5 is what the study's eagle3:HEAD:γ:stop "
+                                   "and hybrid:HEAD:γ:stop measure); --gamma is then the longest draft"),
     adaptive: bool = typer.Option(False, "--adaptive", help="γ per batch size, tuned for this machine: the "
                                   "schedule cached by an earlier study or tune, else a calibration first (a few "
                                   "minutes); replaces --gamma"),
@@ -185,8 +186,6 @@ def serve(
                     raise ValueError(f"--draft must be {' or '.join(DRAFTS)}, not {draft!r}")
                 if pointer and draft != "hybrid":
                     raise ValueError("--pointer is a setting of --draft hybrid")
-                if draft_stop is not None and draft != "eagle3":
-                    raise ValueError("--draft-stop (draft length per request) is a setting of --draft eagle3")
                 spec = default_spec(model, head, gamma, enforce_eager, dtype, draft, say=_warn, pointer=pointer,
                                     draft_stop=draft_stop)
                 if adaptive:

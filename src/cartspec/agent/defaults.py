@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from ..drafting.length import METHODS as STOP_METHODS
 from ..serving.spec import DeploymentSpec, Speculative
 
 # What `serve` drafts with by default: the hybrid (EAGLE-3 head plus prompt lookup, with the pointer
@@ -34,7 +35,7 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: 
     ``drafting.config.default_rule`` gives the target; where that is the head alone, eagle3); a target
     without a head (``head`` auto and none trained for it), or ``draft`` schema: the schema drafter at
     γ=``gamma`` (drafts from the replies' JSON schema and the prompt); ``head`` none: no speculation. ``pointer``: the hybrid's pointer for this target (default: the bundled one where it was
-    trained for it). ``draft_stop``: with eagle3, each request's draft cut where the head's path probability falls
+    trained for it). ``draft_stop``: with eagle3 or hybrid, each request's draft cut where the head's path probability falls
     below it (``drafting.length``). ``say``: where a warning
     goes (no head for this target: served without speculation)."""
     from ..model.convert import ModelNotFound
@@ -51,9 +52,9 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: 
             say(f"no bundled head was trained for {model}: drafting from the replies' JSON schema and the prompt "
                 "(the schema drafter, which needs no head; train a head: cartspec draft train --target MODEL "
                 "--prompts FILE.jsonl)")
-    if draft_stop is not None and (head in ("none", NO_HEAD_DRAFT) or draft != "eagle3"):
-        raise ValueError("--draft-stop cuts an EAGLE-3 head's drafts: it needs --draft eagle3 and a head "
-                         f"(here: draft {draft}, head {head})")
+    if draft_stop is not None and (head in ("none", NO_HEAD_DRAFT) or draft not in STOP_METHODS):
+        raise ValueError("--draft-stop cuts by an EAGLE-3 head's probabilities: it needs --draft eagle3 or hybrid "
+                         f"and a head (here: draft {draft}, head {head})")
     if head == NO_HEAD_DRAFT or draft == NO_HEAD_DRAFT:
         speculative = Speculative(method="schema", num_speculative_tokens=gamma)
     elif head != "none":

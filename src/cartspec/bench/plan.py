@@ -78,8 +78,8 @@ def baseline(model: str) -> DeploymentSpec:
 
 def spec_deployment(model: str, method: str, gamma: int, head: str | None = None,
                     rule: str | None = None, draft_stop: float | None = None) -> DeploymentSpec:
-    """``rule``: the hybrid's (``drafting.config.RULES``; None: its default); ``draft_stop``: EAGLE-3's draft cut
-    per request where the head's path probability falls below it (``drafting.length``)."""
+    """``rule``: the hybrid's (``drafting.config.RULES``; None: its default); ``draft_stop``: EAGLE-3's or the
+    hybrid's draft cut per request where the head's path probability falls below it (``drafting.length``)."""
     from ..drafting.config import HybridConfig
 
     hybrid = HybridConfig(rule=rule) if rule else None
@@ -109,17 +109,24 @@ def parse_deployment(text: str, model: str) -> DeploymentSpec:
     (γ per batch size, tuned for this machine) | ``hybrid:domain:3`` (EAGLE-3 + prompt lookup) |
     ``hybrid-pointer:domain:3`` (the hybrid with that rule, ``drafting.config.RULES``) |
     ``eagle3:domain:5:stop`` (EAGLE-3 drafting up to 5 tokens, each request's draft cut where the head's path
-    probability falls below ``drafting.length.STOP_P``; ``:stop0.6`` another threshold) -> a spec."""
+    probability falls below ``drafting.length.STOP_P``; ``:stop0.6`` another threshold) | ``hybrid:domain:5:stop``
+    (the hybrid, its draft cut the same way before its first copied token) -> a spec."""
     parts = text.split(":")
-    if parts[0] == "eagle3" and len(parts) >= 4 and parts[-1].startswith("stop"):
-        return spec_deployment(model, "eagle3", int(parts[-2]), ":".join(parts[1:-2]), draft_stop=_stop(parts[-1], text))
+    stop = None
+    if (parts[0] == "eagle3" or parts[0].split("-", 1)[0] == "hybrid") and len(parts) >= 4 \
+            and parts[-1].startswith("stop"):
+        stop, parts = _stop(parts[-1], text), parts[:-1]
+    if parts[0] == "eagle3" and stop is not None:
+        return spec_deployment(model, "eagle3", int(parts[-1]), ":".join(parts[1:-1]), draft_stop=stop)
     if parts[0].startswith("hybrid-") and len(parts) >= 3:
         from ..drafting.config import RULES
 
         rule = parts[0][len("hybrid-"):]
         if rule not in RULES:
             raise ValueError(f"cannot read deployment {text!r}: hybrid rule {rule!r} is not one of {', '.join(RULES)}")
-        return spec_deployment(model, "hybrid", int(parts[-1]), ":".join(parts[1:-1]), rule)
+        return spec_deployment(model, "hybrid", int(parts[-1]), ":".join(parts[1:-1]), rule, draft_stop=stop)
+    if parts[0] == "hybrid" and stop is not None:
+        return spec_deployment(model, "hybrid", int(parts[-1]), ":".join(parts[1:-1]), draft_stop=stop)
     if parts[0] in ("baseline", "none"):
         return baseline(model)
     if parts[0] == "eagle3" and len(parts) >= 3 and parts[-1] == "auto":
@@ -131,7 +138,7 @@ def parse_deployment(text: str, model: str) -> DeploymentSpec:
     if parts[0] in ("eagle3", "draft_model", "hybrid") and len(parts) >= 3:
         return spec_deployment(model, parts[0], int(parts[-1]), ":".join(parts[1:-1]))
     raise ValueError(f"cannot read deployment {text!r}: use baseline, ngram:γ, schema:γ, eagle3:HEAD:γ, eagle3:HEAD:auto, "
-                     "eagle3:HEAD:γ:stop, hybrid:HEAD:γ or hybrid-RULE:HEAD:γ")
+                     "eagle3:HEAD:γ:stop, hybrid:HEAD:γ, hybrid-RULE:HEAD:γ or hybrid:HEAD:γ:stop")
 
 
 SUFFIX_MISSING = ("suffix decoding needs the arctic-inference package (vLLM imports its suffix tree), which is "

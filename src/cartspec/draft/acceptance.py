@@ -86,8 +86,9 @@ class AcceptanceReport(_Written):
     replay_agrees_with_engine: str | None = Field(None, description="ngram, schema: requests whose replayed proposer "
                                                                     "gives the engine's per-step counts")
     hybrid: dict[str, Any] | None = Field(None, description="the hybrid drafter's settings")
-    draft_stop: float | None = Field(None, description="eagle3: each draft cut where the head's path probability "
-                                                       "fell below this (drafting.length); None: fixed γ")
+    draft_stop: float | None = Field(None, description="eagle3, hybrid: each draft cut where the head's path "
+                                                       "probability fell below this (a hybrid's before its first "
+                                                       "copied token; drafting.length); None: fixed γ")
     per_step_accepted: list[list[int]] | None = Field(None, description="simulated hybrid: per request, per step")
     replies: list[ReplySteps] | None = None
     mode: Literal["vllm", "simulate"] | None = None
@@ -360,8 +361,8 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
 
             grammar = SchemaGrammar(tok, reply_schema_of(reply_schema))
         preds, probs = head_predictions(h, embed, fs, gamma)
-        summary, steps = simulate_hybrid(preds, fs, gamma, hybrid, classes, info, pointer,
-                                         probs if hybrid.head_p > 0 else None, grammar)
+        summary, steps = simulate_hybrid(preds, fs, gamma, hybrid, classes, info, pointer, probs, grammar,
+                                         stop_p=draft_stop)
         summary["hybrid"] = dict(hybrid.__dict__)
         summary["per_step_accepted"] = [[st.accepted for st in seq] for seq in steps]
     elif method in ("ngram", "schema"):

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..cli_options import (dtype_option, enforce_eager_option, force_option, model_option, replace_bundled_option,
                            served_name_option, server_api_key_env_option)
+from ..drafting.length import METHODS as STOP_METHODS
 from ..progress import LoggedProgress
 from .pipeline import (DraftPipelineError, HeadTrainingConfig, PointerTrainingConfig, build_head, build_pointer,
                        check_drafters, hybrid_config)
@@ -137,9 +138,10 @@ def acceptance(
         None, help="schema, and hybrid rule schema: the JSON schema file the replies follow (default: the "
                    "commerce task's replies)"),
     draft_stop: Optional[float] = typer.Option(
-        None, "--draft-stop", help="eagle3: draft length per request, each draft cut where the head's path "
-                                   "probability falls below this (0.5 is the default `eagle3:HEAD:γ:stop` "
-                                   "deploys); --gamma is then the longest draft"),
+        None, "--draft-stop", help="eagle3, hybrid: draft length per request, each draft cut where the head's "
+                                   "path probability falls below this (a hybrid's only before its first copied "
+                                   "token; 0.5 is the default `eagle3:HEAD:γ:stop` and `hybrid:HEAD:γ:stop` "
+                                   "deploy); --gamma is then the longest draft"),
     lookup_min: Optional[int] = typer.Option(None, help="hybrid: smallest n-gram the lookup matches"),
     lookup_max: Optional[int] = typer.Option(None, help="hybrid: largest n-gram the lookup matches"),
     rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head | anchor | text | pointer | schema "
@@ -181,8 +183,9 @@ def acceptance(
               "pointer-schema)")
     if reply_schema is not None and not reply_schema.is_file():
         _fail(f"--reply-schema {reply_schema} does not exist: give a JSON schema file")
-    if draft_stop is not None and method != "eagle3":
-        _fail("--draft-stop (draft length per request) is a setting of --method eagle3")
+    if draft_stop is not None and method not in STOP_METHODS:
+        _fail("--draft-stop (draft length per request) is a setting of --method eagle3 or hybrid (it cuts by the "
+              "head's probabilities)")
     if draft_stop is not None and not 0 < draft_stop < 1:
         _fail(f"--draft-stop is a probability strictly between 0 and 1, got {draft_stop}")
     if method in ("eagle3", "hybrid") and not head:

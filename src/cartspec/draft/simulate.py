@@ -211,15 +211,21 @@ def head_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, gamm
 
 def simulate_hybrid(preds: Sequence[torch.Tensor], fs: FeatureSet, gamma: int, cfg: Any,
                     classes: Sequence[Sequence[str]] | None = None, info: Any = None, pointer: Any = None,
-                    probs: Sequence[torch.Tensor] | None = None, schema: Any = None,
+                    probs: Sequence[torch.Tensor] | None = None, schema: Any = None, stop_p: float | None = None,
                     ) -> tuple[dict[str, Any], list[list[Step]]]:
     """The hybrid drafter (``drafting.rules``, config ``cfg``) replayed on greedy outputs: from
     chain start ``i`` the server's context is ``x[:i+2]`` (prompt + output up to the newest token)
     and the head's proposal is ``preds[s][i-(P-1)]``; ``hybrid.propose`` combines them, as in vLLM
     (``info``: ``hybrid.TokenInfo``, for the rules that read the tokens' text; ``pointer``: the trained
     pointer, for rule ``pointer``; ``probs``: the head's probability of each proposed token, for the gate,
-    ``cfg.head_p``; None: no gate; ``schema``: the replies' ``SchemaGrammar``, for rule ``schema``)."""
+    ``cfg.head_p``; None: no gate; ``schema``: the replies' ``SchemaGrammar``, for rule ``schema``; ``stop_p``:
+    each draft cut where the head's path probability falls below it before the first copied token, as the
+    ``draft_stop`` patch cuts a hybrid's, ``drafting.length.with_copy``; it needs ``probs``)."""
+    from ..drafting.length import first_copy, kept_length, with_copy
     from ..drafting.rules import propose
+
+    if stop_p is not None and probs is None:
+        raise ValueError("a draft cut per request (stop_p) needs the head's probabilities (probs)")
 
     all_steps = []
     for s in range(fs.n_seqs):
@@ -229,7 +235,11 @@ def simulate_hybrid(preds: Sequence[torch.Tensor], fs: FeatureSet, gamma: int, c
         pr = None if probs is None else probs[s].tolist()
 
         def adjust(i, row, toks=toks, P=P, pr=pr):
-            return propose(row, toks[:i + 2], P, cfg, info, pointer, None if pr is None else pr[i - (P - 1)], schema)
+            conf = None if pr is None else pr[i - (P - 1)]
+            new = propose(row, toks[:i + 2], P, cfg, info, pointer, conf, schema)
+            if stop_p is None:
+                return new
+            return new[:with_copy(kept_length(conf[:len(row)], stop_p), first_copy(new, row), len(new))]
         all_steps.append(simulate_sequence(preds[s], toks, P, gamma, classes[s] if classes is not None else None,
                                            adjust=adjust))
     return summarize(all_steps, gamma), all_steps

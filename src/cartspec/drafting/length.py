@@ -14,6 +14,12 @@ token does, so a cut saves little there and loses the tokens it cuts: at one str
 model, 2-core AMD EPYC with AVX-512-bf16, bfloat16, one `paper`-preset run with the threshold at every
 batch; docs/drafting.md, "Draft length per request").
 
+In a hybrid (the head's draft with the prompt's copies, ``drafting.rules``) the head's probabilities judge the
+head's own tokens only: a copy replaces the head's draft from its first copied position on, and the head
+never gave the copied tokens a probability. So a hybrid's draft is cut where the head's path falls below the
+threshold before the first copied token, and kept whole where the head is sure enough up to it
+(``with_copy``): the copy is then judged by the verifier alone, as in the hybrid without a cut.
+
 ``STOP_P`` was chosen in the simulator on the dev split's greedy replies (64, the bundled domain head,
 γ = 5; docs/drafting.md, "Draft length per request"): 3.92 tokens per engine step with 3.6 drafted, against
 4.13 with 5 (the fixed γ = 5) and 3.17 with 3 (the fixed γ = 3).
@@ -29,6 +35,8 @@ STOP_P = 0.5
 # 0 at one request (nothing cut, no probability computed): a verify pass over a few tokens costs about what
 # one token does, so there a token worth little still pays (module doc)
 FULL_BATCH = 8
+# the speculative methods whose drafts a threshold cuts: the ones an EAGLE-3 head drafts (its probabilities)
+METHODS = ("eagle3", "hybrid")
 # where a deployment's threshold travels into vLLM: its ``--additional-config``, as ``{KEY: {"p": θ}}``
 KEY = "cartspec_draft_stop"
 
@@ -59,6 +67,23 @@ def kept_length(probs: Sequence[float], stop_p: float) -> int:
         if path < stop_p:
             return j
     return len(probs)
+
+
+def with_copy(kept: int, first_copy: int | None, k: int) -> int:
+    """A hybrid draft's kept length (module doc): ``kept`` (the head's cut, ``kept_length`` of its own
+    probabilities) where it falls before ``first_copy`` (the first position whose token is not the head's;
+    None: the draft is the head's), else all ``k`` tokens."""
+    if first_copy is None or kept < first_copy:
+        return kept
+    return k
+
+
+def first_copy(draft: Sequence[int], head: Sequence[int]) -> int | None:
+    """The first position where ``draft`` is not the head's draft ``head`` (None: the head's draft, or a prefix of it)."""
+    for j, (a, b) in enumerate(zip(draft, head)):
+        if int(a) != int(b):
+            return j
+    return None
 
 
 def kept_lengths(probs, stop_p: float) -> list[int]:

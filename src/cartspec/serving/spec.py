@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..config_files import FileModel, omit_when_none
 from ..drafting.config import HybridConfig
+from ..drafting.length import METHODS as STOP_METHODS
 
 # spec files written before the ``hybrid`` block: its settings as flat fields (and a hybrid's n-gram sizes in
 # prompt_lookup_min/max), read into ``hybrid``
@@ -50,9 +51,10 @@ class Speculative(BaseModel):
                           "response_format; absent: the commerce task's replies (search parameters or a support "
                           "reply)")
     draft_stop: float | None = Field(
-        None, gt=0, lt=1, description="method eagle3: draft length per request and per step: each request's draft is "
-                                      "cut where the head's probability of the path drafted so far falls below "
-                                      "this (drafting.length; STOP_P is the default a deployment label's `:stop` "
+        None, gt=0, lt=1, description="methods eagle3 and hybrid: draft length per request and per step: each "
+                                      "request's draft is cut where the head's probability of the path drafted so "
+                                      "far falls below this (in a hybrid, only before its first copied token; "
+                                      "drafting.length; STOP_P is the default a deployment label's `:stop` "
                                       "gives); absent: vLLM's fixed γ")
     schedule: list[tuple[int, int, int]] | None = Field(
         None, description="per-batch-size γ: [(lo, hi, k), ...] -> num_speculative_tokens_per_batch_size")
@@ -105,8 +107,9 @@ class Speculative(BaseModel):
             raise ValueError(f"method {self.method!r} needs model (a head or draft model)")
         if self.method != "hybrid" and self.hybrid is not None:
             raise ValueError("hybrid is a setting of method 'hybrid'")
-        if self.draft_stop is not None and self.method != "eagle3":
-            raise ValueError("draft_stop (draft length per request) is a setting of method 'eagle3'")
+        if self.draft_stop is not None and self.method not in STOP_METHODS:
+            raise ValueError("draft_stop (draft length per request) is a setting of methods 'eagle3' and 'hybrid' "
+                             "(it cuts by the head's probabilities)")
         if not self.follows_schema and self.reply_schema is not None:
             raise ValueError("reply_schema is a setting of method 'schema' (and of a hybrid with rule 'schema')")
         if self.method == "schema" and self.model:

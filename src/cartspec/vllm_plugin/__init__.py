@@ -20,8 +20,9 @@ The patches (``PATCHES``), in the order they are applied (and wrap one another):
 * ``hybrid`` (``hybrid.py``): the hybrid drafter, in a ``method: hybrid`` deployment only.
 * ``schema_batch`` (``schema.py``): gives the schema drafter, a ``custom_class`` proposer, the runner's
   batch (request ids, prompt lengths, each request's JSON schema), which vLLM's proposer call leaves out.
-* ``draft_stop`` (``draft_stop.py``): an EAGLE-3 deployment with ``draft_stop`` cuts each request's draft
-  where the head's path probability falls below it (draft length per request).
+* ``draft_stop`` (``draft_stop.py``): an EAGLE-3 or hybrid deployment with ``draft_stop`` cuts each request's
+  draft where the head's path probability falls below it (draft length per request; around ``hybrid``, so a
+  hybrid's combined draft is cut, by the head's tokens before its first copy).
 * ``idle_drafter`` (``idle_drafter.py``, the outermost wrap of the drafting, so it also skips the hybrid): a
   γ-per-batch-size schedule's γ = 0 steps skip the EAGLE drafter's forward pass.
 * ``step_stats`` (``steps.py``, outermost): times each engine step's drafting and verifying, by batch size,

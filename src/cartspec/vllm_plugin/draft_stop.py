@@ -1,4 +1,4 @@
-"""Patch ``draft_stop``: draft length per request and per step, in an EAGLE-3 deployment that asks for it.
+"""Patch ``draft_stop``: draft length per request and per step, in an EAGLE-3 or hybrid deployment that asks for it.
 
 What it does (the rule: ``drafting.length``): each request's draft is cut where the head's probability of
 the path drafted so far falls below the deployment's threshold at this step's batch (``threshold_at``:
@@ -18,6 +18,10 @@ Where it plugs in (vLLM 0.32 as installed):
   ``[num_reqs, k]`` tensor, each row is cut to its kept length and the drafts go back as lists, which
   vLLM's runner and scheduler take from every proposer (n-gram drafts are lists of any length).
   Verification is vLLM's, on what is left: greedy replies stay the target's.
+* in a hybrid deployment patch ``hybrid`` wraps the same method inside this one: the drafts this wrap cuts are
+  the combined ones, and the hybrid leaves each request's first copied position on the runner
+  (``_cartspec_copies``); the head's probabilities cut only the head's tokens before it
+  (``drafting.length.with_copy``).
 
 A runner without the setting drafts as vLLM does. Counts of drafted and kept tokens go to the step
 statistics (``vllm_plugin.steps``).
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import functools
 
-from ..drafting.length import FULL_BATCH, KEY, check_stop_p, kept_lengths, threshold_at
+from ..drafting.length import FULL_BATCH, KEY, check_stop_p, kept_lengths, threshold_at, with_copy
 from .draft_vocab import record_probs
 from .registry import Patch, Target
 
@@ -50,9 +54,11 @@ def stop_p(runner) -> tuple[float, int] | None:
                    f"< {s[0]} from {s[1]} requests in a step on (less below, nothing cut at one)"))
 
 
-def cut(drafts, probs: list, p: float, num_reqs: int):
+def cut(drafts, probs: list, p: float, num_reqs: int, copies: dict[int, int] | None = None):
     """``drafts`` (``[num_reqs, k]``) as lists, each cut at its kept length; the drafts unchanged where the
-    recorded probabilities do not cover them (a step drafted otherwise). Returns (drafts, drafted, kept)."""
+    recorded probabilities do not cover them (a step drafted otherwise). ``copies``: in a hybrid, each
+    request's first copied position (``drafting.length.with_copy``: the head's probabilities judge only the
+    head's tokens before it). Returns (drafts, drafted, kept)."""
     import torch
 
     if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2 or drafts.shape[1] == 0:
@@ -62,6 +68,8 @@ def cut(drafts, probs: list, p: float, num_reqs: int):
         return drafts, 0, 0
     table = torch.stack([t[:num_reqs] for t in probs[:k]], dim=1)  # [num_reqs, k]
     lengths = kept_lengths(table, p)
+    if copies:
+        lengths = [with_copy(n, copies.get(i), k) for i, n in enumerate(lengths)]
     rows = drafts[:num_reqs].tolist()
     out = [row[:n] for row, n in zip(rows, lengths)]
     return out, k * len(rows), sum(lengths)
@@ -85,8 +93,10 @@ def apply(mod) -> None:
             return original(self, scheduler_output, *args, **kwargs)
         drafter._cartspec_recording = True
         probs.clear()
+        self._cartspec_copies = None
         drafts = original(self, scheduler_output, *args, **kwargs)
-        out, drafted, kept = cut(drafts, probs, p, num_reqs)
+        # a hybrid's copies this step (patch hybrid, which runs inside this wrap, sets them)
+        out, drafted, kept = cut(drafts, probs, p, num_reqs, self._cartspec_copies)
         if drafted:
             from .steps import count_drafts
 

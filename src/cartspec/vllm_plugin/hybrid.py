@@ -49,6 +49,7 @@ import numpy as np
 from ..drafting.config import KEY, NEEDS_POINTER, NEEDS_SCHEMA, NEEDS_TOKENS, HybridConfig
 from ..drafting.rules import propose
 from ..drafting.gate import gate
+from ..drafting.length import first_copy
 from ..drafting.tokens import TokenInfo
 from .draft_vocab import draft_targets, record_probs
 from .registry import Patch, Target
@@ -95,6 +96,7 @@ def apply(mod) -> None:
         cfg = runner_config(self)
         if cfg is None:
             return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        self._cartspec_copies = {}  # this step's copies (``hybrid_drafts``), for patch draft_stop's cut
         method = getattr(self.speculative_config, "method", None)
         drafter = getattr(self, "drafter", None)
         gated = method == "eagle3" and cfg.head_p > 0
@@ -258,10 +260,14 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
         combined = {i: gate(new, rows[i], {firsts[i]: p[(i, firsts[i])]} if (i, firsts[i]) in p else None,
                             cfg.head_p) for i, new in combined.items()}
     changed = False
+    copies: dict[int, int] = {}  # request -> its first copied position: draft_stop cuts only the head's tokens
     for i, new in combined.items():
         if new != rows[i]:
+            f = first_copy(new, rows[i])
+            copies[i] = len(rows[i]) if f is None else f
             rows[i] = new
             changed = True
+    runner._cartspec_copies = copies
     if not changed:
         return drafts
     if as_tensor:
