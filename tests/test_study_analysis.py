@@ -86,7 +86,8 @@ DROPPED_FROM_GOLDEN = (
 def test_summary_and_report_are_byte_identical_to_the_golden_run(run_dir):
     """``golden/`` holds summary.json and report.html as the code before the typed results-to-report path
     (issue 32) built them from this fixture. The refactor moves code: the summary is the same to the byte,
-    and so is the page, less the table it drops on purpose (``DROPPED_FROM_GOLDEN``)."""
+    and so is the page, less the table it drops on purpose (``DROPPED_FROM_GOLDEN``). One change since was
+    made on purpose and written into both files: the verdict's sentence on greedy parity per dtype and load."""
     after = _golden_form((run_dir / "summary.json").read_text(), run_dir)
     assert after == (DATA / "golden" / "summary.json").read_text()
     before = (DATA / "golden" / "report.html").read_text()
@@ -318,3 +319,9 @@ def test_the_verdict_states_greedy_parity_per_dtype_and_load_beside_the_paired_t
     assert "bfloat16: 95% at 1 stream, 90% at 8 streams" in line and "float32: 100% at 1 stream" in line
     assert line in quality_line(rows)
     assert parity_line([row("x", 1, "bfloat16", None)]) == ""
+    from cartspec.report.prose import verdict
+
+    base = [StudyRow(deployment="baseline", method="none", concurrency=c, dtype="bfloat16", status="ok",
+                     output_throughput=10.0) for c in (1, 8)]
+    fast = [r.model_copy(update={"speedup_vs_baseline": 2.0, "output_throughput": 20.0}) for r in rows]
+    assert line + "." in verdict(base + fast, [], 2.0)

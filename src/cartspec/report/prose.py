@@ -197,6 +197,9 @@ def verdict(rows: list[StudyRow], caps: list[CapacityRow], slo: float, tests: li
             s += (f". Under the {slo:g} s E2EL SLO one instance serves {base_cap:.2f} req/s without speculation "
                   f"and {best_cap:.2f} with {best} (×{best_cap / base_cap:.2f})")
         parts.append(s + ".")
+    parity = parity_line(spec)  # greedy parity per dtype and load, said beside the paired test (not instead)
+    if parity:
+        parts.append(parity + ".")
     return " ".join(parts) + quality_alarm(ok, tests=tests) + tail
 
 
