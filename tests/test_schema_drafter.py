@@ -225,3 +225,33 @@ def test_rule_pointer_schema_takes_the_pointers_pick_and_the_grammars_check(tok,
     assert fixed != bad and tok.decode(fixed).startswith(', "')
     with pytest.raises(ValueError, match="compiled schema"):
         propose(bad, prompt + done, len(prompt), cfg, info, FakePointer())
+
+
+def test_the_drafters_shortcuts_give_what_the_long_ways_give(tok, grammar):
+    """The per-step work is cut three ways; each must change nothing: a name found without a regex, a string
+    tried on the matcher itself and rolled back (no fork), token ids from the tokenizer's backend, kept."""
+    import random
+    import re
+
+    from cartspec.drafting.schema import _accepts, _named, encoder
+
+    def by_regex(value, text):
+        words = value.replace("_", " ").lower().strip()
+        return bool(words) and re.search(r"(?<![a-z0-9])" + re.escape(words) + r"(?![a-z0-9])", text) is not None
+
+    rng = random.Random(0)
+    alphabet = "ab 1_-é."
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        value = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 4)))
+        assert _named(value, text) == by_regex(value, text), (value, text)
+    m = grammar.track([]).matcher
+    assert m.accept_string('{"intent": "search", "keywords": "red"')
+    for probe in (', "category": "shoes"', "@@", ', "category": 5', "Qz\u00e9", '}', ""):
+        before = m.find_jump_forward_string()
+        want = m.fork().accept_string(probe) if probe else True
+        assert _accepts(m, probe) == want
+        assert m.find_jump_forward_string() == before and m.fork().accept_string(', "category": "shoes"')
+    encode = encoder(tok)
+    for text in ('", "', '{"intent": "search"', " red  shoes ", "Gr\u00fc\u00dfe \u2014 caf\u00e9", "", '"]}'):
+        assert encode(text) == tok.encode(text, add_special_tokens=False) == encode(text)

@@ -29,6 +29,7 @@ format), the track stops drafting for that request.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass, field
@@ -98,10 +99,38 @@ class Vocabulary:
         return cls(tuple(keys), {k: tuple(v) for k, v in enums.items()})
 
 
+_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
+
+
 def _named(value: str, text: str) -> bool:
-    """The prompt's text (lower case) names ``value``: its words (``_`` as a space) as whole words."""
-    words = value.replace("_", " ").lower().strip()
-    return bool(words) and re.search(r"(?<![a-z0-9])" + re.escape(words) + r"(?![a-z0-9])", text) is not None
+    """The prompt's text (lower case) names ``value``: its words (``_`` as a space) as whole words (no ASCII
+    letter or digit on either side)."""
+    return _names(value.replace("_", " ").lower().strip(), text)
+
+
+def _names(words: str, text: str) -> bool:
+    """``words`` occurs in ``text`` with no ASCII letter or digit on either side (``_named``, its words made)."""
+    if not words:
+        return False
+    i = text.find(words)
+    while i >= 0:
+        j = i + len(words)
+        if (i == 0 or text[i - 1] not in _ALNUM) and (j == len(text) or text[j] not in _ALNUM):
+            return True
+        i = text.find(words, i + 1)
+    return False
+
+
+def _accepts(m: Any, text: str) -> bool:
+    """Would matcher ``m`` accept ``text`` next? ``m`` is left as it was: xgrammar leaves a matcher unchanged
+    where it refuses a string and counts an accepted string as one step, which ``rollback`` undoes; no fork
+    (a copy of the matcher's state) is made."""
+    if not text:
+        return True
+    if m.accept_string(text):
+        m.rollback(1)
+        return True
+    return False
 
 
 def _stable(encode: Callable[[str], list[int]], text: str, ids: list[int], m: Any) -> int:
@@ -111,7 +140,7 @@ def _stable(encode: Callable[[str], list[int]], text: str, ids: list[int], m: An
     what follows there is the value's words."""
     n = len(ids)
     for c in ('"', ",", " ", "]", "}"):
-        if not m.fork().accept_string(c):
+        if not _accepts(m, c):
             continue
         more = encode(text + c)
         i = 0
@@ -119,6 +148,23 @@ def _stable(encode: Callable[[str], list[int]], text: str, ids: list[int], m: An
             i += 1
         n = i
     return n
+
+
+ENCODED = 8192  # texts whose token ids a grammar keeps (keys, punctuation and values recur across requests)
+
+
+def encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """``tokenizer.encode(text, add_special_tokens=False)``, from the fast tokenizer's Rust backend where it has
+    one (the same ids without transformers' per-call bookkeeping), the latest ``ENCODED`` texts kept."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        def encode(text: str) -> tuple[int, ...]:
+            return tuple(backend.encode(text, add_special_tokens=False).ids)
+    else:
+        def encode(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False))
+    kept = functools.lru_cache(maxsize=ENCODED)(encode)
+    return lambda text: list(kept(text))
 
 
 class SchemaGrammar:
@@ -134,7 +180,7 @@ class SchemaGrammar:
         self.compiled = [self.compiler.compile_json_schema(json.dumps(self.schema), any_whitespace=False,
                                                            separators=sep, strict_mode=False) for sep in FORMATS]
         self.vocab = Vocabulary.of(self.schema)
-        self._encode: Callable[[str], list[int]] = lambda s: tokenizer.encode(s, add_special_tokens=False)
+        self._encode: Callable[[str], list[int]] = encoder(tokenizer)
         self._tracks: dict[tuple, Track] = {}
 
     def track(self, prompt: Sequence[int], prompt_text: str | None = None) -> "Track":
@@ -239,7 +285,7 @@ class Track:
         if not text:
             return []
         ids = self.g._encode(text)
-        if len(ids) <= k and not m.is_terminated() and not m.fork().accept_string(_PROBE):
+        if len(ids) <= k and not m.is_terminated() and not _accepts(m, _PROBE):
             ids = ids[:_stable(self.g._encode, text, ids, m)]
         out = []
         for t in ids[:k]:
@@ -257,7 +303,7 @@ class Track:
         ids = self.g._encode(fs)
         after = m.fork()
         after.accept_string(fs)
-        if not after.is_terminated() and not after.fork().accept_string(_PROBE) and \
+        if not after.is_terminated() and not _accepts(after, _PROBE) and \
                 _stable(self.g._encode, fs, ids, after) < 1:
             return None
         return ids[0] if ids else None
@@ -272,7 +318,7 @@ class Track:
             return head
         m = self.matcher.fork()
         for j, h in enumerate(head):
-            if m.fork().accept_string(_PROBE) and self._short_value(head[:j]):  # the prompt's copy, if any
+            if _accepts(m, _PROBE) and self._short_value(head[:j]):  # the prompt's copy, if any
                 own = self.draft(len(head) - j, head[:j])
                 if own and own[0] != h and not self.g.tokenizer.decode(own[:1]).startswith('"'):
                     return head[:j] + own  # a copy of the prompt's words (where the value ends, the head judges)
@@ -289,8 +335,16 @@ class Track:
     # --- the choices where the grammar leaves one -------------------------------------------------------
 
     def _choose(self, m: Any, so_far: str, after: Sequence[int], text: str) -> str | None:
+        """The first of ``_options`` the grammar accepts. Each first character is tried once: where the grammar
+        refuses it (a quote after a closed value), every option it starts is refused too, untried."""
+        first: dict[str, bool] = {}
         for option in self._options(m, so_far, after, text):
-            if option and m.fork().accept_string(option):
+            if not option:
+                continue
+            ok = first.get(option[0])
+            if ok is None:
+                ok = first[option[0]] = _accepts(m, option[0])
+            if ok and _accepts(m, option):
                 return option
         return None
 
@@ -307,7 +361,7 @@ class Track:
             for n in self.numbers:
                 if n.startswith(digits.group(0)) and len(n) > len(digits.group(0)):
                     yield n[len(digits.group(0)):]
-        if m.fork().accept_string(_PROBE):  # inside a string value
+        if _accepts(m, _PROBE):  # inside a string value
             begun = re.search(r"[^\"]*$", so_far).group(0).lower()
             words = begun.split()
             part = words[-1] if words and not begun.endswith(" ") else ""
@@ -320,7 +374,7 @@ class Track:
                 if done:
                     yield '"'
             return
-        if m.fork().accept_string('"' + _PROBE):  # a free string may start: open it (the words come next)
+        if _accepts(m, '"' + _PROBE):  # a free string may start: open it (the words come next)
             yield '"'
             return
         vocab = self.g.vocab
@@ -352,7 +406,7 @@ class Track:
         """At most ``LAST_KEYS`` keys may still follow and the prompt names none of them (nor, for an enum
         key, any of its values): the object most likely ends here."""
         vocab = self.g.vocab
-        left = [k for k in vocab.keys if m.fork().accept_string(f', "{k}"') or m.fork().accept_string(f',"{k}"')]
+        left = [k for k in vocab.keys if _accepts(m, f', "{k}"') or _accepts(m, f',"{k}"')]
         if len(left) > LAST_KEYS:
             return False
         return not any(k in self.named_keys for k in left)
