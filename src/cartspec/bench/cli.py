@@ -93,7 +93,8 @@ def study(
         None, help="comma list replacing the preset's: baseline, ngram:3, eagle3:domain:3, eagle3:PATH:5, "
                    "eagle3:domain:auto (γ per batch size tuned for this machine), eagle3:domain:5:stop (each request's draft "
                    "cut where the head is unsure), hybrid:domain:3 (EAGLE-3 + prompt lookup), "
-                   "hybrid-pointer:domain:3 (with a rule: lookup, text, pointer...) (with --server: what that endpoint runs, for labels)"),
+                   "hybrid-pointer:domain:3 (with a rule: lookup, text, pointer...), hybrid:domain:5:stop (the hybrid cut "
+                   "the same way) (with --server: what that endpoint runs, for labels)"),
     spec_files: Optional[str] = typer.Option(
         None, "--spec", help="comma list of DeploymentSpec files (YAML/TOML/JSON, e.g. from `cartspec tune`), "
                              "measured after the preset's or --deployments' deployments"),
