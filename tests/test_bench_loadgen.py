@@ -43,14 +43,16 @@ def test_ttft_tpot_itl_measured_against_a_paced_server():
     with TrivialServer(FakeConfig(tokens=11, ttft_s=0.10, itl_s=0.02)) as srv:
         res = run(srv.url, reqs(4), concurrency=1, n_requests=4)
     assert len(res.records) == 4
+    # the server's pacing is a floor (a sleep never ends early); on two busy cores it may end late, so the
+    # upper bounds are loose and the definitions are checked between the measured figures themselves
     for r in res.records:
         assert r.ok, r.error
         assert r.output_tokens == 11 and r.usage_reported and r.chunks == 11
-        assert r.ttft == pytest.approx(0.10, abs=0.03)
-        assert r.tpot == pytest.approx(0.02, abs=0.004)
-        assert len(r.itl) == 10
-        assert sum(r.itl) / len(r.itl) == pytest.approx(0.02, abs=0.004)
-        assert r.e2el == pytest.approx(0.10 + 10 * 0.02, abs=0.04)
+        assert 0.095 <= r.ttft < 0.5
+        assert len(r.itl) == 10 and sum(r.itl) >= 0.18  # one late read shortens the next gap, not the sum
+        assert r.e2el == pytest.approx(r.ttft + sum(r.itl))  # the last token's arrival
+        assert r.tpot == pytest.approx((r.e2el - r.ttft) / 10)  # one token a chunk: TPOT is the mean ITL
+        assert 0.018 <= r.tpot < 0.06
 
 
 def test_several_tokens_per_chunk_separates_itl_from_tpot():
