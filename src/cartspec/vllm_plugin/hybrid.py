@@ -221,6 +221,13 @@ def runner_pointer(runner, cfg: HybridConfig):
     return _POINTER[key]
 
 
+def _first_or_end(draft: Sequence[int], head: Sequence[int], end: int) -> int:
+    """The first position where ``draft`` leaves the head's draft (``drafting.length.first_copy``), ``end``
+    where one is a prefix of the other."""
+    f = first_copy(draft, head)
+    return end if f is None else f
+
+
 def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: TokenInfo | None = None,
                   pointer: Any = None, probs: Any = None):
     """The head's ``drafts`` ([num_reqs, k] tensor or lists) with the lookup combined in. ``probs``: for the
@@ -254,8 +261,7 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
         if new != rows[i]:
             combined[i] = new
     if combined and probs is not None and cfg.head_p > 0:
-        firsts = {i: next((j for j, (a, b) in enumerate(zip(new, rows[i])) if a != b), len(new))
-                  for i, new in combined.items()}
+        firsts = {i: _first_or_end(new, rows[i], len(new)) for i, new in combined.items()}
         p = probs(sorted(firsts.items()))
         combined = {i: gate(new, rows[i], {firsts[i]: p[(i, firsts[i])]} if (i, firsts[i]) in p else None,
                             cfg.head_p) for i, new in combined.items()}
@@ -263,8 +269,7 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
     copies: dict[int, int] = {}  # request -> its first copied position: draft_stop cuts only the head's tokens
     for i, new in combined.items():
         if new != rows[i]:
-            f = first_copy(new, rows[i])
-            copies[i] = len(rows[i]) if f is None else f
+            copies[i] = _first_or_end(new, rows[i], len(rows[i]))
             rows[i] = new
             changed = True
     runner._cartspec_copies = copies
