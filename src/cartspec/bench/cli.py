@@ -101,7 +101,7 @@ def study(
     concurrency: Optional[str] = typer.Option(None, help="comma list, e.g. 1,2,4,8"),
     rates: Optional[str] = typer.Option(None, help="open loop instead: Poisson arrival rates in req/s, e.g. 0.5,1,2"),
     temperatures: Optional[str] = typer.Option(None, help="comma list, e.g. 0,0.5"),
-    request_sets: Optional[str] = typer.Option(None, "--request-set", help="commerce | search | support | FILE.jsonl (comma list)"),
+    request_sets: Optional[str] = typer.Option(None, "--request-set", help="commerce | search | support | handwritten | FILE.jsonl (comma list)"),
     requests: Optional[int] = typer.Option(None, "--requests", help="measured requests per point (default: the "
                                                                    "preset's per-stream rule below)"),
     requests_per_stream: Optional[int] = typer.Option(

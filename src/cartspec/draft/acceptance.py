@@ -125,8 +125,12 @@ class AcceptanceReport(_Written):
 
 def load_data(data: str, limit: int | None = None, seed: int = 0) -> list[Request]:
     """``train|dev|test`` (generated, seed 0, the sizes ``cartspec data`` writes), ``novel`` (words the
-    model never saw, ``task.novel``) or a JSONL file."""
-    if data == "novel":
+    model never saw, ``task.novel``), ``handwritten`` (``task.request_sets.HANDWRITTEN``) or a JSONL file."""
+    if data == "handwritten":
+        from ..task.request_sets import HANDWRITTEN
+
+        reqs = read_requests(HANDWRITTEN)
+    elif data == "novel":
         from ..task.novel import novel_requests
 
         reqs = novel_requests(max(limit or 0, NOVEL_SIZE), seed)

@@ -129,7 +129,7 @@ def acceptance(
     head: Optional[str] = typer.Option(None, help="generic | domain | NAME[@vN] (a registered head) | PATH "
                                        "(methods eagle3, hybrid)"),
     gamma: int = typer.Option(3, "--gamma", help="γ: draft tokens per verify step"),
-    data: str = typer.Option("test", help="train | dev | test | novel (words in no generator pool) | FILE.jsonl"),
+    data: str = typer.Option("test", help="train | dev | test | novel (words in no generator pool) | handwritten (40 requests written by hand) | FILE.jsonl"),
     out: Path = typer.Option(..., help="where the JSON goes"),
     simulate: bool = typer.Option(False, "--simulate", help="offline simulator instead of a vLLM deployment"),
     method: str = typer.Option("eagle3", help="eagle3 | ngram | schema (from the reply's JSON schema and the "
