@@ -59,10 +59,14 @@ def test_several_tokens_per_chunk_separates_itl_from_tpot():
     # Speculation delivers several accepted tokens in one chunk: ITL is per chunk, TPOT per token.
     with TrivialServer(FakeConfig(tokens=12, ttft_s=0.0, itl_s=0.03, tokens_per_chunk=3)) as srv:
         res = run(srv.url, reqs(2), concurrency=1, n_requests=2)
-    r = res.records[0]
-    assert r.chunks == 4 and r.output_tokens == 12
-    assert sum(r.itl) / len(r.itl) == pytest.approx(0.03, abs=0.006)
-    assert r.tpot == pytest.approx(3 * 0.03 / 11, abs=0.004)
+    # the pacing is a floor (on two busy cores a sleep may end late: it once measured 36 ms against 30 ± 6),
+    # so the definitions are checked between the measured figures, with loose upper bounds
+    for r in res.records:
+        assert r.chunks == 4 and r.output_tokens == 12
+        assert len(r.itl) == 3 and 0.027 <= sum(r.itl) / 3 < 0.1  # one gap a chunk
+        assert r.e2el == pytest.approx(r.ttft + sum(r.itl))
+        assert r.tpot == pytest.approx((r.e2el - r.ttft) / 11)  # a gap per token: 11 after the first
+        assert r.tpot == pytest.approx(sum(r.itl) / 3 * 3 / 11)  # so TPOT is the chunk gap over its 3 tokens
 
 
 def test_errors_are_recorded_and_counted_never_dropped():

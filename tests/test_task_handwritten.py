@@ -1,6 +1,8 @@
 """The hand-written request set: shipped, loadable by name in the study and in draft acceptance, gold in the
 task's canonical form, and none of it a generator's output."""
 
+import json
+
 from cartspec.draft.acceptance import load_data
 from cartspec.task.generator import generate
 from cartspec.task.request_sets import HANDWRITTEN, load_request_set
@@ -16,8 +18,6 @@ def test_the_handwritten_set_loads_by_name_with_canonical_gold_and_no_generated_
         assert r.task == "search" and r.gold is not None
         assert canonical_dict(SearchParams(**r.gold)) == r.gold, r.id  # what the scorer compares against
         for turn in r.history[1::2]:  # an earlier reply in the history is a canonical reply too
-            import json
-
             d = json.loads(turn.content)
             assert canonical_dict(SearchParams(**d)) == d, r.id
     assert sum(bool(r.history) for r in study) == 6
