@@ -47,7 +47,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..drafting.config import KEY, NEEDS_POINTER, NEEDS_SCHEMA, NEEDS_TOKENS, HybridConfig
-from ..drafting.rules import propose
+from ..drafting.rules import combine
 from ..drafting.gate import gate
 from ..drafting.length import first_copy
 from ..drafting.tokens import TokenInfo
@@ -244,6 +244,7 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
     as_tensor = isinstance(drafts, torch.Tensor)
     rows = drafts.cpu().tolist() if as_tensor else [list(d) for d in drafts]
     combined: dict[int, list[int]] = {}
+    bases: dict[int, list[int]] = {}
     for i in range(min(num_reqs, len(rows))):
         if not rows[i]:
             continue
@@ -257,14 +258,16 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
         schema = runner_schemas(runner).of(runner, batch.req_ids[i]) if cfg.rule in NEEDS_SCHEMA else None
         if cfg.rule in NEEDS_SCHEMA and schema is None:
             continue  # no schema for this request: the head's draft stands
-        new = propose(rows[i], ctx, int(batch.num_prompt_tokens[i]), cfg, info, pointer, schema=schema)
+        new, start = combine(rows[i], ctx, int(batch.num_prompt_tokens[i]), cfg, info, pointer, schema=schema)
         if new != rows[i]:
             combined[i] = new
+            bases[i] = start
     if combined and probs is not None and cfg.head_p > 0:
-        firsts = {i: _first_or_end(new, rows[i], len(new)) for i, new in combined.items()}
+        # judged where the draft leaves its base (the head's, a number's rest copied over it: ``rules.base``)
+        firsts = {i: f for i, new in combined.items() if (f := first_copy(new, bases[i])) is not None}
         p = probs(sorted(firsts.items()))
-        combined = {i: gate(new, rows[i], {firsts[i]: p[(i, firsts[i])]} if (i, firsts[i]) in p else None,
-                            cfg.head_p) for i, new in combined.items()}
+        combined = {i: gate(new, bases[i], {firsts[i]: p[(i, firsts[i])]} if (i, firsts[i]) in p else None,
+                            cfg.head_p) if i in firsts else new for i, new in combined.items()}
     changed = False
     copies: dict[int, int] = {}  # request -> its first copied position: draft_stop cuts only the head's tokens
     for i, new in combined.items():

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, Sequence
 
 from ..config import HybridConfig
+from ..copying import number_lookup
 from ..gate import gate as head_gate
 from ..lookup import lookup as ngram_lookup
 from ..tokens import TokenInfo
@@ -103,13 +104,35 @@ def check(step: Step, rule: Rule) -> None:
         raise ValueError(f"hybrid rule {rule.name!r} needs the reply's compiled schema (drafting.schema.SchemaGrammar)")
 
 
+def base(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
+         info: TokenInfo | None = None) -> list[int]:
+    """The draft a rule starts from and the gate judges against: the head's, and for a rule that reads the
+    tokens' texts (``needs_text``), inside a number value, the rest of the prompt's number over its first
+    positions (``copying.number_lookup``; a number's digits are the shopper's, not the head's to judge)."""
+    head = list(head)
+    rule = BY_NAME.get(cfg.rule)
+    if head and rule is not None and rule.needs_text and info is not None and info.texts is not None:
+        number = number_lookup(context, prompt_len, len(head), info)
+        if number:
+            return overlay(head, number)
+    return head
+
+
+def combine(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
+            info: TokenInfo | None = None, pointer: Any = None, schema: Any = None) -> tuple[list[int], list[int]]:
+    """One request's hybrid draft before the gate, and the ``base`` it was made from (what the gate judges it
+    against: the head's tokens beyond what ``base`` copied)."""
+    start = base(head, context, prompt_len, cfg, info)
+    return draft(Step(start, context, prompt_len, cfg, info, pointer, schema)), start
+
+
 def propose(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
             info: TokenInfo | None = None, pointer: Any = None, conf: Any = None, schema: Any = None) -> list[int]:
-    """One request's hybrid draft: ``cfg.rule``'s draft, then the head's ``gate`` (``conf``: the head's
-    probability of each of its tokens, a sequence or a mapping from positions; None: no gate; ``schema``: the
-    request's ``SchemaGrammar``, for the rules that follow a schema)."""
-    step = Step(list(head), context, prompt_len, cfg, info, pointer, schema)
-    return head_gate(draft(step), step.head, conf, cfg.head_p)
+    """One request's hybrid draft: ``cfg.rule``'s draft (``combine``), then the head's ``gate`` (``conf``: the
+    head's probability of each of its tokens, a sequence or a mapping from positions; None: no gate;
+    ``schema``: the request's ``SchemaGrammar``, for the rules that follow a schema)."""
+    new, start = combine(head, context, prompt_len, cfg, info, pointer, schema)
+    return head_gate(new, start, conf, cfg.head_p)
 
 
 def draft(step: Step) -> list[int]:
