@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from cartspec.drafting import KEY, HybridConfig, TokenInfo, lookup, propose, value_start
 from cartspec.drafting import RULES
+from cartspec.drafting.copying import word_rest
 from cartspec.drafting.rules import BY_NAME, Step, draft
 from cartspec.vllm_plugin.hybrid import context_for, hybrid_drafts
 
@@ -474,8 +475,12 @@ def test_text_behaves_like_anchor_where_a_lookup_matches_or_no_text_does():
              _tids("brown", "keywords", '":'), _tids("ref", '",', "keywords"), _tids("search", "xx", "keywords")]
     for prompt, reply in cases:
         for head in heads:
+            if info.structure[head[0]] and word_rest(prompt + reply, len(prompt), 3, info):
+                continue  # the head closes "cal" inside the prompt's "calvin": rule text drafts the word's rest
             assert (propose(head, prompt + reply, len(prompt), TEXT, info)
                     == propose(head, prompt + reply, len(prompt), anchor, info)), (reply, head)
+    assert propose(_tids('"],', "keywords", '":'), p1 + cases[0][1], len(p1), TEXT, info) == _tids("vin", '"],', "keywords")
+    assert propose(_tids('"],', "keywords", '":'), p1 + cases[0][1], len(p1), anchor, info) == _tids('"],', "keywords", '":')
     # and the anchor's own results stand under text (test_anchor_* above)
     assert propose(heads[0], p1 + cases[0][1], len(p1), TEXT, info) == _tids("vin", " k", "lein")
     assert propose(heads[3], p1 + cases[1][1], len(p1), TEXT, info) == _tids(" only", "\n", '":')

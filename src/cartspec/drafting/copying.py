@@ -3,9 +3,10 @@
 ``anchor_lookup`` (rule ``anchor``, and the first step of ``text`` and ``pointer``): a value's first token
 looked up alone in the prompt, spaced or not. ``text_lookup`` (rules ``text`` and ``pointer``): a value's
 text so far found in the prompt's text. Both are cut where the head closes the value (``cut_at_close``).
-``number_lookup`` (the rules that read the tokens' texts: ``rules.base``): a number value's digits so far
-found among the prompt's numbers, and the rest of that number drafted; it ends where the number does, so
-it is not cut, and the head's gate does not judge it.
+``number_lookup`` and ``word_rest`` (the rules that read the tokens' texts: ``rules.base``): a number
+value's digits so far found among the prompt's numbers, and the rest of that number; a string value's text
+so far that ends inside a prompt word, and the rest of that word. Each ends where the number or the word
+does, so the head's close follows it (``splice``) and the head's gate does not judge it.
 """
 
 from __future__ import annotations
@@ -94,6 +95,52 @@ def number_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenIn
     if not rest:
         return []
     return [int(i) for i in info.encode(rest)[:k]]
+
+
+def word_rest(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo) -> list[int]:
+    """Inside a reply's string value whose text so far ends inside one of the prompt's words (``chartre`` of
+    the shopper's ``chartreuse``, found as ``text_lookup`` finds it): the rest of that word, re-encoded (in
+    lower case where the value is), up to ``k`` tokens; [] where the value's text ends at a word's end or is
+    not in the prompt.
+
+    A value stops inside a word of the shopper's rarely, while the head, meeting a word it never saw, often
+    closes it there and is sure of it (p >= 0.9 at ``"colors": ["chart`` of "chartreuse"). In the simulator's
+    replay of the novel set (100 greedy replies, γ=3), 94 of the 199 steps whose first rejected token was a
+    copied value's were such a close inside a word."""
+    texts = info.texts
+    last = texts[context[-1]] if len(context) > prompt_len else ""
+    if not last[-1:].isalnum():
+        return []
+    q = value_open(context, prompt_len, info)
+    if q < 0:
+        return []
+    value = texts[context[q]].rsplit('"', 1)[1] + "".join([texts[t] for t in context[q + 1:]])
+    if len(value) < MIN_VALUE_CHARS or "\ufffd" in value or SPECIAL_TEXT in value:
+        return []
+    text = "".join([texts[t] for t in context[:min(prompt_len, len(context))]])
+    low, needle = fold(text), fold(value)
+    p = low.rfind(needle)
+    while p > 0 and (low[p - 1].isalnum() or low[p - 1] == SPECIAL_TEXT):
+        p = low.rfind(needle, 0, p + len(needle) - 1)
+    if p < 0:
+        return []
+    end = e = p + len(needle)
+    while e < len(text) and text[e].isalnum():
+        e += 1
+    if e == end:
+        return []
+    rest = text[end:e]
+    return [int(i) for i in info.encode(rest.lower() if value == value.lower() else rest)[:k]]
+
+
+def splice(head: Sequence[int], rest: Sequence[int], info: TokenInfo) -> list[int]:
+    """``rest`` over the first positions of ``head``; where the head closes the value inside them (its token
+    is JSON structure and differs), its draft from that token on follows ``rest`` instead: k tokens."""
+    head, rest = list(head), list(rest)[:len(head)]
+    for j, r in enumerate(rest):
+        if head[j] != r and info.structure[head[j]]:
+            return (rest + head[j:])[:len(head)]
+    return rest + head[len(rest):]
 
 
 def prompt_continuation(cont: str, k: int, encode: Any, lower: bool = False) -> list[int]:

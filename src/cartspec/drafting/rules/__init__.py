@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, Sequence
 
 from ..config import HybridConfig
-from ..copying import number_lookup
+from ..copying import number_lookup, splice, word_rest
 from ..gate import gate as head_gate
 from ..lookup import lookup as ngram_lookup
-from ..tokens import TokenInfo
+from ..tokens import SPECIAL_TEXT, TokenInfo, value_open
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,14 @@ def overlay(head: Sequence[int], look: Sequence[int]) -> list[int]:
     return look + head[len(look):]
 
 
+def vetoed(context: Sequence[int], prompt_len: int, info: TokenInfo, pointer: Any) -> bool:
+    """The pointer says the string value the context ends inside copies nothing (at least its ``veto_p``):
+    an enum that starts like a shopper's word (``"topic": "refund_window"`` for "refunds")."""
+    q = value_open(context, prompt_len, info)
+    return q >= 0 and pointer.no_copy(context[:q + 1], prompt_len, info.texts, info.encode,
+                                      SPECIAL_TEXT) >= pointer.cfg.veto_p
+
+
 def _registry() -> dict[str, Rule]:
     from .agree import Agree
     from .anchor import Anchor
@@ -105,24 +113,31 @@ def check(step: Step, rule: Rule) -> None:
 
 
 def base(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
-         info: TokenInfo | None = None) -> list[int]:
+         info: TokenInfo | None = None, pointer: Any = None) -> list[int]:
     """The draft a rule starts from and the gate judges against: the head's, and for a rule that reads the
-    tokens' texts (``needs_text``), inside a number value, the rest of the prompt's number over its first
-    positions (``copying.number_lookup``; a number's digits are the shopper's, not the head's to judge)."""
+    tokens' texts (``needs_text``) what the prompt fixes and the head is not to judge (``copying.splice``d over
+    its first positions, its close after them): inside a number value, the rest of the prompt's number
+    (``copying.number_lookup``); inside a string value that ends within a prompt word, the rest of that word
+    (``copying.word_rest``: ``use`` after ``chartre`` of "chartreuse", where the head, sure of a value
+    it never saw, closes it), unless the rule's pointer says the value copies nothing (``vetoed``)."""
     head = list(head)
     rule = BY_NAME.get(cfg.rule)
     if head and rule is not None and rule.needs_text and info is not None and info.texts is not None:
         number = number_lookup(context, prompt_len, len(head), info)
         if number:
-            return overlay(head, number)
+            return splice(head, number, info)
+        rest = word_rest(context, prompt_len, len(head), info)
+        if rest and not (rule.needs_pointer and pointer is not None and vetoed(context, prompt_len, info, pointer)):
+            return splice(head, rest, info)
     return head
+
 
 
 def combine(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
             info: TokenInfo | None = None, pointer: Any = None, schema: Any = None) -> tuple[list[int], list[int]]:
     """One request's hybrid draft before the gate, and the ``base`` it was made from (what the gate judges it
     against: the head's tokens beyond what ``base`` copied)."""
-    start = base(head, context, prompt_len, cfg, info)
+    start = base(head, context, prompt_len, cfg, info, pointer)
     return draft(Step(start, context, prompt_len, cfg, info, pointer, schema)), start
 
 

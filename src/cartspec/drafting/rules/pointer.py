@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from ..copying import anchor_lookup, cut_at_close
 from ..tokens import SPECIAL_TEXT, TokenInfo, value_open
-from . import Step, overlay
+from . import Step, overlay, vetoed
 
 
 class PointerRule:
@@ -28,11 +28,8 @@ class PointerRule:
         head, context, prompt_len, info, pointer = step.head, step.context, step.prompt_len, step.info, step.pointer
         ngram = step.ngram()
         look = anchor_lookup(head, context, prompt_len, ngram, info, text=True)
-        if look and not ngram:  # the anchor's or the text rule's copy, inside a value the pointer says copies nothing
-            q = value_open(context, prompt_len, info)
-            if q >= 0 and pointer.no_copy(context[:q + 1], prompt_len, info.texts, info.encode,
-                                          SPECIAL_TEXT) >= pointer.cfg.veto_p:
-                look = []
+        if look and not ngram and vetoed(context, prompt_len, info, pointer):
+            look = []  # the anchor's or the text rule's copy, inside a value the pointer says copies nothing
         n = min(len(look), len(head))
         return pointer_draft(overlay(head, look), head, n, context, prompt_len, info, pointer)
 
