@@ -106,7 +106,9 @@ def word_rest(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo) 
     A value stops inside a word of the shopper's rarely, while the head, meeting a word it never saw, often
     closes it there and is sure of it (p >= 0.9 at ``"colors": ["chart`` of "chartreuse"). In the simulator's
     replay of the novel set (100 greedy replies, γ=3), 94 of the 199 steps whose first rejected token was a
-    copied value's were such a close inside a word."""
+    copied value's were such a close inside a word. Where the head goes on as an identifier instead, the
+    value is an enum that starts like the shopper's word (``"sort": "price_asc"`` for "pricey"): ``splice``
+    keeps the head's draft there."""
     texts = info.texts
     last = texts[context[-1]] if len(context) > prompt_len else ""
     if not last[-1:].isalnum():
@@ -133,13 +135,23 @@ def word_rest(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo) 
     return [int(i) for i in info.encode(rest.lower() if value == value.lower() else rest)[:k]]
 
 
+JOINERS = "_-"  # a token that starts so continues an identifier: ``"price`` + ``_asc``
+
+
 def splice(head: Sequence[int], rest: Sequence[int], info: TokenInfo) -> list[int]:
     """``rest`` over the first positions of ``head``; where the head closes the value inside them (its token
-    is JSON structure and differs), its draft from that token on follows ``rest`` instead: k tokens."""
+    is JSON structure where it first differs), its draft from that token on follows ``rest`` instead: k
+    tokens. Where the head goes on there as an identifier (a token starting with one of ``JOINERS``:
+    ``"refund`` + ``_window`` where the shopper wrote "refunds"), ``head`` unchanged: the value is an enum
+    that starts like the shopper's word."""
     head, rest = list(head), list(rest)[:len(head)]
     for j, r in enumerate(rest):
-        if head[j] != r and info.structure[head[j]]:
-            return (rest + head[j:])[:len(head)]
+        if head[j] != r:
+            if info.structure[head[j]]:
+                return (rest + head[j:])[:len(head)]
+            if info.texts is not None and info.texts[head[j]][:1] in JOINERS:
+                return head
+            break
     return rest + head[len(rest):]
 
 

@@ -119,7 +119,7 @@ def base(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: Hybr
     its first positions, its close after them): inside a number value, the rest of the prompt's number
     (``copying.number_lookup``); inside a string value that ends within a prompt word, the rest of that word
     (``copying.word_rest``: ``use`` after ``chartre`` of "chartreuse", where the head, sure of a value
-    it never saw, closes it), unless the rule's pointer says the value copies nothing (``vetoed``)."""
+    it never saw, closes it; not where the head goes on as an identifier, ``"price`` + ``_asc``), unless the rule's pointer says the value copies nothing (``vetoed``)."""
     head = list(head)
     rule = BY_NAME.get(cfg.rule)
     if head and rule is not None and rule.needs_text and info is not None and info.texts is not None:

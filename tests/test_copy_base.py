@@ -1,15 +1,17 @@
-"""A number value's digits copied from the shopper's number (``copying.number_lookup``, ``rules.base``), on a
-hand-made vocabulary where every digit is its own token (as SmolLM2 writes numbers)."""
+"""What the prompt fixes and the head does not judge (``rules.base``): a number value's digits copied from the
+shopper's number (``copying.number_lookup``), a word's rest (``copying.word_rest``), on a hand-made
+vocabulary where every digit is its own token (as SmolLM2 writes numbers)."""
 
 import numpy as np
 import pytest
 
 from cartspec.drafting import HybridConfig, TokenInfo, propose
-from cartspec.drafting.copying import number_lookup
+from cartspec.drafting.copying import number_lookup, splice, word_rest
 from cartspec.drafting.rules import base, combine
 
 _TEXTS = ["<s>", "\n", '{"', '":', " ", ",", "}", '"}', "price_max", "min_rating", " under", " US", "$", " and",
-          " stars", " rating", "x", "."] + [str(d) for d in range(10)]
+          " stars", " rating", "x", "."] + [str(d) for d in range(10)] + [
+          "colors", ' ["', '"],', " chart", "chart", "re", "use", " shoes", "Chart", " Chart", "_asc"]
 _ID = {t: i for i, t in enumerate(_TEXTS)}
 
 
@@ -109,3 +111,58 @@ def test_the_runner_gates_a_copy_against_the_number_base_not_the_heads_digits():
     out = hybrid_drafts(runner, heads, sampled, cfg, INFO, None, probs)
     assert out.tolist() == [_ids(".", "2", "}")] and asked == []  # nothing else differs: no probability asked
     assert runner._cartspec_copies == {0: 1}  # the copied digit is not the head's (draft_stop cuts only the head's)
+
+
+WORD_PROMPT = _ids("<s>", " chart", "re", "use", " shoes", "\n")  # "<s> chartreuse shoes"
+COLORS = _ids('{"', "colors", '":', ' ["')
+
+
+def test_the_rest_of_a_prompt_word_the_value_stops_inside_and_nothing_at_a_words_end():
+    P = len(WORD_PROMPT)
+    assert word_rest(WORD_PROMPT + COLORS + _ids("chart", "re"), P, 3, INFO) == _ids("use")
+    assert word_rest(WORD_PROMPT + COLORS + _ids("chart"), P, 3, INFO) == _ids("re", "use")
+    assert word_rest(WORD_PROMPT + COLORS + _ids("chart"), P, 1, INFO) == _ids("re")
+    assert word_rest(WORD_PROMPT + COLORS + _ids("chart", "re", "use"), P, 3, INFO) == []  # the word is whole
+    assert word_rest(WORD_PROMPT + COLORS, P, 3, INFO) == []  # the value has not started
+    assert word_rest(WORD_PROMPT + COLORS + _ids("re"), P, 3, INFO) == []  # not at a prompt word's start
+    assert word_rest(WORD_PROMPT + _ids('{"', "chart"), P, 3, INFO) == []  # a key, not a value
+    # the shopper wrote "Chartreuse": a lower-case value goes on in lower case
+    upper = _ids("<s>", " Chart", "re", "use", "\n")
+    assert word_rest(upper + COLORS + _ids("chart"), len(upper), 3, INFO) == _ids("re", "use")
+
+
+def test_a_words_rest_goes_before_the_heads_close_and_the_gate_does_not_judge_it():
+    assert splice(_ids('"],', "colors", '":'), _ids("use"), INFO) == _ids("use", '"],', "colors")
+    assert splice(_ids("x", "x", "x"), _ids("use"), INFO) == _ids("use", "x", "x")  # no close: over the head
+    assert splice(_ids("_asc", "x", "x"), _ids("use"), INFO) == _ids("_asc", "x", "x")  # an identifier goes on
+    assert splice(_ids("use", '"],', "x"), _ids("use", "re"), INFO) == _ids("use", "re", '"],')
+    ctx = WORD_PROMPT + COLORS + _ids("chart", "re")
+    head = _ids('"],', "colors", '":')  # sure of a close inside a word it never saw
+    cfg = HybridConfig(3, 4, "text", "prompt", head_p=0.9)
+    assert propose(head, ctx, len(WORD_PROMPT), cfg, INFO, conf=[0.99, 0.99, 0.99]) == _ids("use", '"],', "colors")
+    assert propose(head, ctx, len(WORD_PROMPT), HybridConfig(3, 4, "head", "prompt"), INFO) == head
+    # the head goes on as an identifier (an enum that starts like the shopper's word): its draft is the base
+    other = _ids("_asc", '"],', "colors")
+    assert base(other, ctx, len(WORD_PROMPT), cfg, INFO) == other
+
+
+class _Pointer:
+    def __init__(self, no):
+        self.no = no
+        self.cfg = type("Cfg", (), {"veto_p": 0.5, "min_p": 0.7})()
+
+    def pick(self, *a):
+        return []
+
+    def no_copy(self, *a):
+        return self.no
+
+
+def test_a_value_the_pointer_says_copies_nothing_keeps_the_heads_draft():
+    ctx = WORD_PROMPT + COLORS + _ids("chart", "re")
+    head = _ids('"],', "colors", '":')
+    cfg = HybridConfig(3, 4, "pointer", "prompt", head_p=0.0)
+    assert base(head, ctx, len(WORD_PROMPT), cfg, INFO, _Pointer(0.9)) == head
+    assert propose(head, ctx, len(WORD_PROMPT), cfg, INFO, _Pointer(0.9)) == head
+    assert base(head, ctx, len(WORD_PROMPT), cfg, INFO, _Pointer(0.1)) == _ids("use", '"],', "colors")
+    assert propose(head, ctx, len(WORD_PROMPT), cfg, INFO, _Pointer(0.1)) == _ids("use", '"],', "colors")
