@@ -479,8 +479,9 @@ def test_text_behaves_like_anchor_where_a_lookup_matches_or_no_text_does():
                 continue  # the head closes "cal" inside the prompt's "calvin": rule text drafts the word's rest
             assert (propose(head, prompt + reply, len(prompt), TEXT, info)
                     == propose(head, prompt + reply, len(prompt), anchor, info)), (reply, head)
-    assert propose(_tids('"],', "keywords", '":'), p1 + cases[0][1], len(p1), TEXT, info) == _tids("vin", '"],', "keywords")
-    assert propose(_tids('"],', "keywords", '":'), p1 + cases[0][1], len(p1), anchor, info) == _tids('"],', "keywords", '":')
+    closing = _tids('"],', "keywords", '":')
+    assert propose(closing, p1 + cases[0][1], len(p1), TEXT, info) == _tids("vin", '"],', "keywords")
+    assert propose(closing, p1 + cases[0][1], len(p1), anchor, info) == closing
     # and the anchor's own results stand under text (test_anchor_* above)
     assert propose(heads[0], p1 + cases[0][1], len(p1), TEXT, info) == _tids("vin", " k", "lein")
     assert propose(heads[3], p1 + cases[1][1], len(p1), TEXT, info) == _tids(" only", "\n", '":')

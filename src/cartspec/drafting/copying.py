@@ -26,10 +26,22 @@ def text_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo
     at most ``VALUE_TOKENS`` tokens to the newest quote, which ends there outside a value; inside one, a
     join and a search of the prompt's text (linear in the prompt, in C) and one ``encode`` of about
     ``CONT_CHARS * k`` characters."""
+    found = value_in_prompt(context, prompt_len, info)
+    if found is None:
+        return []
+    text, value, p, end = found
+    # the reply writes the shopper's word in lower case ("nike" for "Nike"): so on
+    return prompt_continuation(text[end:], k, info.encode, lower=value == value.lower() and text[p:end] != value)
+
+
+def value_in_prompt(context: Sequence[int], prompt_len: int, info: TokenInfo) -> tuple[str, str, int, int] | None:
+    """Inside a reply's string value: the prompt's text, the value's text so far and where that is found in
+    the prompt's text (start, end), at a word start, any case, the latest occurrence; None where the context
+    is not inside a value, the value is too short to look up or it is not in the prompt."""
     texts = info.texts
     q = value_open(context, prompt_len, info)
     if q < 0:
-        return []
+        return None
     value = texts[context[q]].rsplit('"', 1)[1] + "".join([texts[t] for t in context[q + 1:]])
     # At least 2 characters: the value's first token is often a whole word (the anchor's token search has
     # looked for it), and when it is 1 character long the prompt's latest word with that initial is a
@@ -38,7 +50,7 @@ def text_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo
     # A token that does not decode alone (a byte of a multi-byte character, U+FFFD) matches nothing real.
     if (len(value) < MIN_VALUE_CHARS or not any(c.isalnum() for c in value) or "\ufffd" in value
             or SPECIAL_TEXT in value):
-        return []
+        return None
     P = min(prompt_len, len(context))
     text = "".join([texts[t] for t in context[:P]])
     low, needle = fold(text), fold(value)
@@ -51,10 +63,8 @@ def text_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo
     while p > 0 and (low[p - 1].isalnum() or low[p - 1] == SPECIAL_TEXT):
         p = low.rfind(needle, 0, p + len(needle) - 1)
     if p < 0:
-        return []
-    end = p + len(needle)
-    # the reply writes the shopper's word in lower case ("nike" for "Nike"): so on
-    return prompt_continuation(text[end:], k, info.encode, lower=value == value.lower() and text[p:end] != value)
+        return None
+    return text, value, p, p + len(needle)
 
 
 NUMBER_TAIL = 8  # reply tokens read back for a number value: ``"price_max": 1299.9`` is 9 on SmolLM2
@@ -70,10 +80,11 @@ def number_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenIn
 
     The head drafts a number's digits from what it saw in training (``"price_max": 1`` + ``00``), while a
     reply's prices and ratings are the shopper's; the first digit is the pointer's or the target's, the rest
-    is copied here, over the head's first positions (``rules.base``), and the gate does not judge it: on
-    the dev split's greedy replies the head was sure (p >= 0.9) of a wrong digit where the shopper had
-    written ``4.2`` more often than it was right against this copy. Cost per call: a look at the last token's text, and only inside a number a join of
-    ``NUMBER_TAIL`` tokens, a regular expression and a search of the prompt's text."""
+    is copied here, over the head's first positions (``rules.base``), and the gate does not judge it
+    (simulated on the dev split's greedy replies at γ=3: τ 3.528 judged by the gate, 3.549 not).
+
+    Cost per call: a look at the last token's text, and only inside a number a join of ``NUMBER_TAIL``
+    tokens, a regular expression and a search of the prompt's text."""
     texts = info.texts
     L = len(context)
     if L <= prompt_len or not texts[context[-1]][-1:].isdigit() and not texts[context[-1]].endswith("."):
@@ -109,24 +120,14 @@ def word_rest(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo) 
     copied value's were such a close inside a word. Where the head goes on as an identifier instead, the
     value is an enum that starts like the shopper's word (``"sort": "price_asc"`` for "pricey"): ``splice``
     keeps the head's draft there."""
-    texts = info.texts
-    last = texts[context[-1]] if len(context) > prompt_len else ""
+    last = info.texts[context[-1]] if len(context) > prompt_len else ""
     if not last[-1:].isalnum():
         return []
-    q = value_open(context, prompt_len, info)
-    if q < 0:
+    found = value_in_prompt(context, prompt_len, info)
+    if found is None:
         return []
-    value = texts[context[q]].rsplit('"', 1)[1] + "".join([texts[t] for t in context[q + 1:]])
-    if len(value) < MIN_VALUE_CHARS or "\ufffd" in value or SPECIAL_TEXT in value:
-        return []
-    text = "".join([texts[t] for t in context[:min(prompt_len, len(context))]])
-    low, needle = fold(text), fold(value)
-    p = low.rfind(needle)
-    while p > 0 and (low[p - 1].isalnum() or low[p - 1] == SPECIAL_TEXT):
-        p = low.rfind(needle, 0, p + len(needle) - 1)
-    if p < 0:
-        return []
-    end = e = p + len(needle)
+    text, value, _, end = found
+    e = end
     while e < len(text) and text[e].isalnum():
         e += 1
     if e == end:

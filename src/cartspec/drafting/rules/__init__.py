@@ -115,11 +115,14 @@ def check(step: Step, rule: Rule) -> None:
 def base(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
          info: TokenInfo | None = None, pointer: Any = None) -> list[int]:
     """The draft a rule starts from and the gate judges against: the head's, and for a rule that reads the
-    tokens' texts (``needs_text``) what the prompt fixes and the head is not to judge (``copying.splice``d over
-    its first positions, its close after them): inside a number value, the rest of the prompt's number
-    (``copying.number_lookup``); inside a string value that ends within a prompt word, the rest of that word
-    (``copying.word_rest``: ``use`` after ``chartre`` of "chartreuse", where the head, sure of a value
-    it never saw, closes it; not where the head goes on as an identifier, ``"price`` + ``_asc``), unless the rule's pointer says the value copies nothing (``vetoed``)."""
+    tokens' texts (``needs_text``) what the prompt fixes and the head is not to judge, over its first
+    positions with its close after them (``copying.splice``):
+
+    * inside a number value, the rest of the prompt's number (``copying.number_lookup``);
+    * inside a string value that ends within a prompt word, the rest of that word (``copying.word_rest``:
+      ``use`` after ``chartre`` of "chartreuse", where the head, sure of a value it never saw, closes it);
+      not where the head goes on as an identifier (``"price`` + ``_asc``), nor where the rule's pointer
+      says the value copies nothing (``vetoed``)."""
     head = list(head)
     rule = BY_NAME.get(cfg.rule)
     if head and rule is not None and rule.needs_text and info is not None and info.texts is not None:
@@ -130,7 +133,6 @@ def base(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: Hybr
         if rest and not (rule.needs_pointer and pointer is not None and vetoed(context, prompt_len, info, pointer)):
             return splice(head, rest, info)
     return head
-
 
 
 def combine(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
