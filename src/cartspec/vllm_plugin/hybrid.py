@@ -263,7 +263,7 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
             combined[i] = new
             bases[i] = start
     if combined and probs is not None and cfg.head_p > 0:
-        # judged where the draft leaves its base (the head's, a number's rest copied over it: ``rules.base``)
+        # judged where the draft leaves its base (the head's, with a number's or a word's rest: ``rules.base``)
         firsts = {i: f for i, new in combined.items() if (f := first_copy(new, bases[i])) is not None}
         p = probs(sorted(firsts.items()))
         combined = {i: gate(new, bases[i], {firsts[i]: p[(i, firsts[i])]} if (i, firsts[i]) in p else None,
