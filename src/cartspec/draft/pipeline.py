@@ -378,8 +378,12 @@ def build_pointer(cfg: PointerTrainingConfig, *, log: Log = _noop) -> PointerTra
     info = TokenInfo.from_tokenizer(tok)
     summary = train_pointer(model_dir, seqs, info, out, epochs=cfg.epochs, lr=cfg.lr, seed=cfg.seed, dev=dev_seqs,
                             target={"name": cfg.target, "digest": digest}, log=log)
-    return PointerTrainingResult(out=out, examples=summary["examples"], seconds=summary["seconds"],
-                                 last_epoch=summary["epochs"][-1])
+    last = dict(summary["epochs"][-1])
+    for k, v in (summary["numbers"]["epochs"][-1:] or [{}])[0].items():  # the number net's, where trained
+        if k != "epoch":
+            last[k if k.startswith("dev_number") else f"number_{k}"] = v
+    return PointerTrainingResult(out=out, examples=summary["examples"] + summary["numbers"]["examples"],
+                                 seconds=summary["seconds"], last_epoch=last)
 
 
 # --- what `draft acceptance` measures -------------------------------------------

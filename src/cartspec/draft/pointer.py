@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 # Pointer and PointerConfig: its callers import them from here too
-from ..drafting.pointer import (FLAGS, N_SLOTS, Pointer, PointerConfig, PointerNet, candidates,  # noqa: F401
-                                continuation, save, value_key)
-from ..drafting.tokens import SPECIAL_TEXT, value_open
+from ..drafting.pointer import (FLAGS, N_SLOTS, NUMBER, Pointer, PointerConfig, PointerNet,  # noqa: F401
+                                candidates, continuation, number_candidates, number_text, save, value_key)
+from ..drafting.tokens import SPECIAL_TEXT, number_open, value_open
 
 # --- training -------------------------------------------------------------------------------------
 
@@ -31,26 +31,38 @@ class Example:
     key_ids: list[int]
     quote: int
     positive: list[int]  # indices into the output (0: no copy)
+    number: bool = False  # a number value's start (its candidates: the prompt's numbers only)
+
+
+NUMBER_TOKENS = 12  # reply tokens read for a number value (``119.99`` is 6 on SmolLM2)
 
 
 def examples(sequences: Sequence[tuple[Sequence[int], int]], info: Any) -> list[Example]:
-    """One example per value start of every reply (``drafting.tokens.value_open`` at the context's last token):
-    the candidates whose drafted first token is the reply's are positive, else "no copy"."""
-
-
+    """One example per value start of every reply: at a string value's opening quote
+    (``drafting.tokens.value_open`` at the context's last token) the candidates whose drafted first token is
+    the reply's are positive; at a number value's start (``drafting.tokens.number_open``, the reply's next
+    token a digit) the prompt's numbers (``number_candidates``) equal to the reply's number; else "no copy"."""
     out = []
     for toks, P in sequences:
         firsts = None  # each candidate's first drafted token: the same for every value of this prompt
         for j in range(P + 1, len(toks)):
             ctx = toks[:j]
-            if value_open(ctx, P, info) != j - 1:
+            number = bool(info.digit[toks[j]]) and number_open(ctx, P, info)
+            if not number and value_open(ctx, P, info) != j - 1:
                 continue
             key = value_key(ctx, P, j - 1, info.texts)
             c = candidates(ctx, P, j - 1, key, info.texts, SPECIAL_TEXT)
+            key_ids = info.encode(key) if key else []
+            if number:
+                idx = np.flatnonzero(number_candidates(c))
+                m = NUMBER.match("".join(info.texts[t] for t in toks[j:j + NUMBER_TOKENS]))
+                pos = [n + 1 for n, i in enumerate(idx) if number_text(c, int(i)) == m.group()]
+                out.append(Example(c.tokens[idx], c.flags[idx], key_ids, int(ctx[-1]), pos or [0], True))
+                continue
             if firsts is None:
                 firsts = [continuation(c, n, 1, info.encode)[:1] for n in range(len(c.starts))]
             pos = [n + 1 for n, f in enumerate(firsts) if f == [toks[j]]]
-            out.append(Example(c.tokens, c.flags, info.encode(key) if key else [], int(ctx[-1]), pos or [0]))
+            out.append(Example(c.tokens, c.flags, key_ids, int(ctx[-1]), pos or [0]))
     return out
 
 
@@ -78,7 +90,9 @@ def train_pointer(model_dir: Path, sequences: Sequence[tuple[Sequence[int], int]
                   dev: Sequence[tuple[Sequence[int], int]] = (), target: dict[str, Any] | None = None,
                   log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train on ``sequences`` (prompt + reply token ids, prompt length), check on ``dev``, save to ``out``
-    (``target``: what the config records of the model trained for)."""
+    (``target``: what the config records of the model trained for). Two nets of one shape: one on the string
+    values' starts, then one on the number values' (``Pointer``'s ``numbers``; none where the replies have
+    no number value)."""
     from ..model.weights import load_target_weights
 
     t0 = time.perf_counter()
@@ -88,8 +102,30 @@ def train_pointer(model_dir: Path, sequences: Sequence[tuple[Sequence[int], int]
     net = PointerNet(cfg)
     ex = examples(sequences, info)
     dev_ex = examples(dev, info) if dev else []
-    log(f"pointer: {len(ex)} value starts to learn from ({sum(e.positive != [0] for e in ex)} copied), "
+    strings, numbers = [e for e in ex if not e.number], [e for e in ex if e.number]
+    log(f"pointer: {len(strings)} string value starts to learn from ({sum(e.positive != [0] for e in strings)} "
+        f"copied), {len(numbers)} number value starts ({sum(e.positive != [0] for e in numbers)} copied); "
         f"{len(dev_ex)} to check")
+    hist = _fit(net, embed, strings, [e for e in dev_ex if not e.number], epochs, lr, batch, seed,
+                lambda row: log("pointer: " + " ".join(f"{k}={v}" for k, v in row.items())))
+    number_net, number_hist = None, []
+    if any(e.positive != [0] for e in numbers):
+        number_net = PointerNet(cfg)
+        number_hist = _fit(number_net, embed, numbers, [e for e in dev_ex if e.number], epochs, lr, batch, seed,
+                           lambda row: log("pointer, numbers: " + " ".join(f"{k}={v}" for k, v in row.items())))
+    cfg.log = {"examples": len(strings), "copied": sum(e.positive != [0] for e in strings),
+               "dev_examples": sum(not e.number for e in dev_ex), "epochs": hist,
+               "numbers": {"examples": len(numbers), "copied": sum(e.positive != [0] for e in numbers),
+                           "dev_examples": sum(e.number for e in dev_ex), "epochs": number_hist},
+               "seconds": round(time.perf_counter() - t0, 1)}
+    save(net, cfg, out, number_net)
+    return cfg.log
+
+
+def _fit(net: PointerNet, embed: torch.Tensor, ex: Sequence[Example], dev_ex: Sequence[Example], epochs: int,
+         lr: float, batch: int, seed: int, log: Callable[[dict], None]) -> list[dict[str, Any]]:
+    """Adam on ``ex`` (the loss: minus the log of the positives' share), ``accuracy`` on ``dev_ex`` after
+    each epoch; the epochs' rows."""
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     rng = random.Random(seed)
     hist = []
@@ -108,34 +144,38 @@ def train_pointer(model_dir: Path, sequences: Sequence[tuple[Sequence[int], int]
             total += float(loss.detach()) * len(order[b:b + batch])
         row = {"epoch": ep + 1, "loss": round(total / max(1, len(ex)), 4), **accuracy(net, embed, dev_ex)}
         hist.append(row)
-        log("pointer: " + " ".join(f"{k}={v}" for k, v in row.items()))
-    cfg.log = {"examples": len(ex), "copied": sum(e.positive != [0] for e in ex), "dev_examples": len(dev_ex),
-               "epochs": hist, "seconds": round(time.perf_counter() - t0, 1)}
-    save(net, cfg, out)
-    return cfg.log
+        log(row)
+    return hist
 
 
 @torch.no_grad()
 def accuracy(net: PointerNet, embed: torch.Tensor, ex: Sequence[Example]) -> dict[str, float]:
-    """On ``ex``: the share of copied values whose first token the pick drafts right, and of the other
-    values where it picks "no copy"."""
+    """On ``ex``: the share of copied string values whose first token the pick drafts right, and of the other
+    string values where it picks "no copy"; the same for number values (``dev_number_...``: the number
+    picked whole)."""
     if not ex:
         return {}
     net.eval()
     table = net.proj(embed)
-    hit = n_copy = keep = n_keep = 0
+    n = dict.fromkeys(("hit", "copy", "keep", "other", "num_hit", "num_copy", "num_keep", "num_other"), 0)
     for b in range(0, len(ex), 256):
         part = ex[b:b + 256]
         tokens, flags, mask, keys, quote, pos = _batch(part)
         best = net.scores(table, tokens, flags, mask, keys, quote).argmax(1)
         for e, p, bi in zip(part, pos, best.tolist()):
-            if e.positive == [0]:
-                n_keep += 1
-                keep += bi == 0
-            else:
-                n_copy += 1
-                hit += bool(p[bi])
-    return {"dev_copied_top1": round(hit / max(1, n_copy), 4), "dev_no_copy_kept": round(keep / max(1, n_keep), 4)}
+            copied = e.positive != [0]
+            right = bool(p[bi]) if copied else bi == 0
+            pre = "num_" if e.number else ""
+            n[pre + ("copy" if copied else "other")] += 1
+            n[pre + ("hit" if copied else "keep")] += right
+    out = {}
+    if n["copy"] or n["other"]:
+        out["dev_copied_top1"] = round(n["hit"] / max(1, n["copy"]), 4)
+        out["dev_no_copy_kept"] = round(n["keep"] / max(1, n["other"]), 4)
+    if n["num_copy"] or n["num_other"]:
+        out["dev_number_copied_top1"] = round(n["num_hit"] / max(1, n["num_copy"]), 4)
+        out["dev_number_no_copy_kept"] = round(n["num_keep"] / max(1, n["num_other"]), 4)
+    return out
 
 
 def reply_text(req: Any) -> str | None:

@@ -18,14 +18,21 @@ candidate; a second scores "no copy" from the key (``intent``, ``category``, ``s
 knows). Trained by ``cartspec draft pointer`` on the training split's gold replies (``draft.pointer``): the
 target's replies are the gold JSON (``json.dumps``), so no generation is needed.
 
-Files (``save`` / ``Pointer.load``): ``pointer.safetensors`` (the projection and the two MLPs, a few
-hundred KB: the embedding is the target's, read from the model directory at load time) and
+A number value (``"price_max": `` + the head's digit) is picked the same way by a second net of the same
+shape, over the prompt's words that start with a digit, and drafted as that number alone
+(``number_continuation``: ``5``, ``0`` for the shopper's "$50"); the head drafts a number's first digit
+from the prices and ratings it saw in training, and ``copying.number_lookup`` copies only a number's rest.
+
+Files (``save`` / ``Pointer.load``): ``pointer.safetensors`` (the projection and the two MLPs, and the number
+net's as ``number.*``, a few hundred KB: the embedding is the target's, read from the model directory at
+load time) and
 ``config.json`` (sizes, the target it was trained for, the training log).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -43,6 +50,8 @@ FLAGS = ("capital", "digit", "lowered", "in_reply", "is_key", "after_key", "segm
 N_SLOTS = 4  # tokens per candidate: its first token, the two before it, the one after it
 MAX_CANDIDATES = 96  # the latest word starts of a long prompt
 MEMO = 1024  # value starts whose scores are kept (``Pointer.probs``)
+NUMBER = re.compile(r"\d+(?:\.\d+)?")  # a number as a reply writes it (``4.8`` of "4.8+ stars", ``250`` of "$250")
+_DIGIT = FLAGS.index("digit")
 
 
 @dataclass
@@ -205,6 +214,24 @@ def continuation(c: Candidates, n: int, k: int, encode: Callable[[str], list[int
     return prompt_continuation(c.text[c.starts[n]:], k, encode, lower=c.lowered[n])
 
 
+def number_text(c: Candidates, n: int) -> str:
+    """Candidate ``n``'s number (``NUMBER`` at its start; "" for a word that is none)."""
+    m = NUMBER.match(c.text, c.starts[n])
+    return m.group() if m else ""
+
+
+def number_continuation(c: Candidates, n: int, k: int, encode: Callable[[str], list[int]]) -> list[int]:
+    """Candidate ``n`` drafted as a number value: its number alone (the reply closes the value after it),
+    re-encoded; the first ``k`` tokens."""
+    text = number_text(c, n)
+    return [int(i) for i in encode(text)[:k]] if text else []
+
+
+def number_candidates(c: Candidates | PromptWords) -> np.ndarray:
+    """The candidates a number value may copy: those that start with a digit (flag ``digit``)."""
+    return c.flags[:, _DIGIT] > 0
+
+
 class PointerNet(nn.Module):
     """Scores the candidates of a batch of value starts, and "no copy" (index 0 of the output)."""
 
@@ -232,15 +259,25 @@ class PointerNet(nn.Module):
         return torch.cat([self.null(ctx), cand], dim=1)
 
 
-class Pointer:
-    """A trained pointer ready to score (``pick``): the net, and the target's embedding projected."""
+NUMBER_PREFIX = "number."  # the number net's tensors in ``pointer.safetensors``
 
-    def __init__(self, net: PointerNet, embed: torch.Tensor, cfg: PointerConfig):
+
+class Pointer:
+    """A trained pointer ready to score (``pick``): the net, and the target's embedding projected; and where
+    it was trained with one (``numbers``), a second net of the same shape for number values (its own
+    weights: trained together with the string net, the number starts cost the string picks 4 to 11 points of
+    copied values in the simulator)."""
+
+    def __init__(self, net: PointerNet, embed: torch.Tensor, cfg: PointerConfig,
+                 number_net: PointerNet | None = None):
         self.net = net.eval()
         self.cfg = cfg
         with torch.no_grad():
             self.table = net.proj(embed.float())
+            number_table = number_net.eval().proj(embed.float()) if number_net is not None else None
         self.scorer = Scorer(net, self.table)
+        self.number_scorer = Scorer(number_net, number_table) if number_net is not None else None
+        self.numbers = number_net is not None  # picks a number value's number (``pick(numbers=True)``)
         self._keys: dict[str, list[int]] = {}
         self._memo: dict[tuple, tuple[Candidates, np.ndarray]] = {}
 
@@ -256,22 +293,33 @@ class Pointer:
             raise FileNotFoundError(f"no pointer (pointer.safetensors, config.json) in {pointer_dir}: train one "
                                     "with `cartspec draft pointer --out DIR`")
         cfg = PointerConfig(**json.loads((pointer_dir / "config.json").read_text()))
+        state = load_file(str(pointer_dir / "pointer.safetensors"))
         net = PointerNet(cfg)
-        net.load_state_dict(load_file(str(pointer_dir / "pointer.safetensors")))
+        net.load_state_dict({k: v for k, v in state.items() if not k.startswith(NUMBER_PREFIX)})
+        number = {k[len(NUMBER_PREFIX):]: v for k, v in state.items() if k.startswith(NUMBER_PREFIX)}
+        number_net = None
+        if number:  # a pointer trained before number values had none: it picks string values only
+            number_net = PointerNet(cfg)
+            number_net.load_state_dict(number)
         embed = load_target_weights(Path(model_dir))["embed"]
         if embed.shape[1] != cfg.embed_dim:
             raise ValueError(f"the pointer in {pointer_dir} was trained for a hidden size of {cfg.embed_dim}; "
                              f"the embedding of {model_dir} has {embed.shape[1]}")
-        return cls(net, embed, cfg)
+        return cls(net, embed, cfg, number_net)
 
     def probs(self, context: Sequence[int], prompt_len: int, texts: Sequence[str],
-              encode: Callable[[str], list[int]], special: str) -> tuple[Candidates, np.ndarray]:
+              encode: Callable[[str], list[int]], special: str,
+              numbers: bool = False) -> tuple[Candidates, np.ndarray]:
         """At a value's opening quote (the context's last token): the candidates and the probabilities of
-        "no copy" (index 0) and of each candidate (float32). Cached per context (a value's later positions
-        ask again); the candidates' share of the net's first layer is computed once per prompt
-        (``Scorer.prompt_part``), so a value's opening costs the flags that read the reply and two small
-        matrix products in numpy (no torch call on the engine's cores)."""
-        memo = tuple(context)
+        "no copy" (index 0) and of each candidate (float32); with ``numbers``, at a number value's start
+        (``drafting.tokens.number_open``), over the candidates that are numbers (``number_candidates``; the
+        others 0). Cached per context (a value's later positions ask again); the candidates' share of the
+        net's first layer is computed once per prompt (``Scorer.prompt_part``), so a value's opening costs
+        the flags that read the reply and two small matrix products in numpy (no torch call on the engine's
+        cores)."""
+        if numbers and not self.numbers:
+            raise ValueError("this pointer was trained without number values: retrain it (`cartspec draft pointer`)")
+        memo = (tuple(context), numbers)
         hit = self._memo.get(memo)
         if hit is not None:
             return hit
@@ -284,10 +332,11 @@ class Pointer:
         else:
             if key not in self._keys:
                 self._keys[key] = [t for t in encode(key) if 0 <= t < len(self.table)] if key else []
-            part = pw.memo.get(self)
+            scorer = self.number_scorer if numbers else self.scorer
+            part = pw.memo.get(scorer)
             if part is None:
-                part = pw.memo[self] = self.scorer.prompt_part(pw.tokens, pw.flags)
-            p = self.scorer.probs(part, dyn, self._keys[key], int(context[q]))
+                part = pw.memo[scorer] = scorer.prompt_part(pw.tokens, pw.flags)
+            p = scorer.probs(part, dyn, self._keys[key], int(context[q]), number_candidates(pw) if numbers else None)
         out = (with_dynamic(pw, dyn), p)
         if len(self._memo) >= MEMO:
             self._memo.pop(next(iter(self._memo)))
@@ -295,14 +344,17 @@ class Pointer:
         return out
 
     def pick(self, context: Sequence[int], prompt_len: int, k: int, texts: Sequence[str],
-             encode: Callable[[str], list[int]], special: str) -> list[int]:
+             encode: Callable[[str], list[int]], special: str, numbers: bool = False) -> list[int]:
         """The draft at a value's opening quote (the context's last token): the best candidate's tokens,
-        or [] where "no copy" scores best or the best is less likely than ``min_p``."""
-        c, p = self.probs(context, prompt_len, texts, encode, special)
+        or [] where "no copy" scores best or the best is less likely than ``min_p``. With ``numbers``, at a
+        number value's start: the best number candidate's number alone (``number_continuation``)."""
+        if numbers and not self.numbers:
+            return []
+        c, p = self.probs(context, prompt_len, texts, encode, special, numbers)
         best = int(p.argmax())
         if best == 0 or float(p[best]) < self.cfg.min_p:
             return []
-        return continuation(c, best - 1, k, encode)
+        return (number_continuation if numbers else continuation)(c, best - 1, k, encode)
 
     def no_copy(self, context: Sequence[int], prompt_len: int, texts: Sequence[str],
                 encode: Callable[[str], list[int]], special: str) -> float:
@@ -342,25 +394,32 @@ class Scorer:
         static[:, _DYNAMIC] = 0.0
         return rows.reshape(len(tokens), -1) @ self.w_tokens + static @ self.w_flags + self.b1
 
-    def probs(self, part: np.ndarray, dynamic: np.ndarray, key_ids: Sequence[int], quote: int) -> np.ndarray:
+    def probs(self, part: np.ndarray, dynamic: np.ndarray, key_ids: Sequence[int], quote: int,
+              mask: np.ndarray | None = None) -> np.ndarray:
         """Softmax over "no copy" then each candidate, given ``prompt_part``'s rows, the dynamic flags [n, 3],
-        the key's token ids ([] for none: a zero vector, as the net's mask gives) and the quote's token."""
+        the key's token ids ([] for none: a zero vector, as the net's mask gives) and the quote's token;
+        ``mask`` [n]: the candidates offered (the others get 0, as the net's mask gives)."""
         key_vec = self.table[list(key_ids)].mean(0) if len(key_ids) else np.zeros_like(self.pad)
         ctx = np.concatenate([key_vec, self.table[quote]])
         hidden = np.maximum(part + dynamic @ self.w_dynamic + ctx @ self.w_context, 0.0)
         logits = np.empty(len(part) + 1, dtype=np.float32)
         logits[0] = np.maximum(ctx @ self.n1 + self.nb1, 0.0) @ self.n2 + self.nb2
         logits[1:] = hidden @ self.w2 + self.b2
+        if mask is not None:
+            logits[1:][~mask] = -np.inf
         e = np.exp(logits - logits.max())
         return e / e.sum()
 
 
-def save(net: PointerNet, cfg: PointerConfig, out: Path) -> Path:
+def save(net: PointerNet, cfg: PointerConfig, out: Path, number_net: PointerNet | None = None) -> Path:
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in net.state_dict().items()}, str(out / "pointer.safetensors"))
+    state = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
+    if number_net is not None:
+        state.update({NUMBER_PREFIX + k: v.detach().contiguous() for k, v in number_net.state_dict().items()})
+    save_file(state, str(out / "pointer.safetensors"))
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     return out
 

@@ -18,7 +18,8 @@ class TokenInfo:
     only (no letter or digit, one of ``"{}[],:``); ``opens``: ends in ``"`` or ``["`` (opens a key or a
     string value); ``colon``: ends in ``:``; ``bracket``: ``[`` count minus ``]`` count; ``twin``: the
     same text with the leading space toggled (``"cal"`` <-> ``" cal"``) when that is one token, else -1:
-    a reply's value starts without the space its word has in the shopper's sentence.
+    a reply's value starts without the space its word has in the shopper's sentence; ``digit``: starts with
+    a digit (a number value's first token: SmolLM2 writes each digit as a token of its own).
 
     For the ``text`` rule only: ``texts``, each token's text with a special token's as ``SPECIAL_TEXT``
     (a continuation stops there and a special token's text is never matched); ``encode(text)``: the served
@@ -30,6 +31,7 @@ class TokenInfo:
     colon: np.ndarray
     bracket: np.ndarray
     twin: np.ndarray
+    digit: np.ndarray
     texts: tuple[str, ...] | None = None
     encode: Any = None
 
@@ -47,6 +49,7 @@ class TokenInfo:
         opens = np.array([t.rstrip().endswith(('"', '["')) for t in texts]) & ~sp
         colon = np.array([t.rstrip().endswith(":") for t in texts]) & ~sp
         bracket = np.array([t.count("[") - t.count("]") for t in texts]) * ~sp
+        digit = np.array([t[:1].isdigit() for t in texts], dtype=bool) & ~sp
         twin = np.full(V, -1, dtype=np.int64)
         index = {t: i for i, t in enumerate(texts) if not sp[i]} if encode is None else None
         for i, t in enumerate(texts):
@@ -61,7 +64,7 @@ class TokenInfo:
             if 0 <= j < V and not sp[j]:
                 twin[i] = j
         kept = tuple(SPECIAL_TEXT if sp[i] else t for i, t in enumerate(texts))
-        return cls(content, structure, opens, colon, bracket.astype(np.int64), twin, kept, encode)
+        return cls(content, structure, opens, colon, bracket.astype(np.int64), twin, digit, kept, encode)
 
     @classmethod
     def from_tokenizer(cls, tok) -> "TokenInfo":
@@ -103,6 +106,21 @@ def value_open(context: Sequence[int], prompt_len: int, info: TokenInfo, max_tok
             return q
         return -1  # the newest quote closes a string or opens a key
     return -1
+
+
+def number_open(context: Sequence[int], prompt_len: int, info: TokenInfo) -> bool:
+    """The context ends where a key's value starts and nothing of it is written yet (``"price_max":`` or
+    ``"price_max": ``, in the reply): where a number value's first digit comes, if the value is a number
+    (``json.dumps`` writes ``": "`` and then the value; a string or an array would open with ``"`` or ``[``)."""
+    L = len(context)
+    if L <= prompt_len:
+        return False
+    last = context[-1]
+    if info.colon[last]:
+        return True
+    texts = info.texts
+    return (L - 1 > prompt_len and texts is not None and not texts[last].strip() and len(texts[last]) <= 2
+            and bool(info.colon[context[-2]]))
 
 
 def fold(s: str) -> str:

@@ -8,6 +8,8 @@ sure than its ``min_p``) the draft stays. (2) Where the lookup drafts a value's 
 agrees with it up to there but not on the value, the head's draft is taken if the pointer says the value
 copies nothing (at least ``veto_p``): an earlier turn's value of the same key. (3) Inside a value the
 pointer says copies nothing, the anchor's and the text rule's copies are dropped (the n-gram lookup's stay).
+(4) At the first draft position where a number value starts (after ``": ``, not the lookup's) and the head
+drafts a digit, the pointer's pick among the prompt's numbers (``number_pick``), the head's close after it.
 The copied values the other rules miss are mostly a value's first token, which the head drafts wrong and
 no lookup can pick among the prompt's words: the pointer picks it."""
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..copying import anchor_lookup, cut_at_close
-from ..tokens import SPECIAL_TEXT, TokenInfo, value_open
+from ..tokens import SPECIAL_TEXT, TokenInfo, number_open, value_open
 from . import Step, overlay, vetoed
 
 
@@ -45,6 +47,10 @@ def pointer_draft(draft: Sequence[int], head: Sequence[int], n_look: int, contex
     for i in range(k):
         last = draft[i - 1] if i else context[-1]
         if not info.opens[last]:
+            if i >= n_look and info.digit[draft[i]] and (info.colon[last] or not info.texts[last].strip()):
+                ctx = list(context) + draft[:i]
+                if number_open(ctx, prompt_len, info):
+                    return draft[:i] + number_pick(ctx, prompt_len, head[i:], info, pointer)
             continue
         ctx = list(context) + draft[:i]
         if value_open(ctx, prompt_len, info) != len(ctx) - 1:
@@ -59,3 +65,20 @@ def pointer_draft(draft: Sequence[int], head: Sequence[int], n_look: int, contex
         pick = cut_at_close(pick, head[i:], info)
         return draft[:i] + pick + list(head[i + len(pick):])
     return draft
+
+
+def number_pick(context: Sequence[int], prompt_len: int, head: Sequence[int], info: TokenInfo,
+                pointer: Any) -> list[int]:
+    """At a number value's start where the head drafts a digit (its ``len(head)`` tokens from there): the
+    pointer's pick among the prompt's numbers, then the head's tokens from where its own number ends (its
+    close: ``"price_max": `` + ``1``, ``0``, ``,`` -> ``5``, ``0``, ``,`` where the shopper wrote 50); the
+    head's draft where the pointer picks "no copy"."""
+    head = list(head)
+    pick = pointer.pick(context, prompt_len, len(head), info.texts, info.encode, SPECIAL_TEXT, numbers=True)
+    if not pick:
+        return head
+    e = 0
+    while e < len(head) and (info.digit[head[e]] or info.texts[head[e]] == "."):
+        e += 1
+    out = pick + head[e:]
+    return (out + head[len(out):])[:len(head)]
