@@ -166,3 +166,116 @@ def test_a_value_the_pointer_says_copies_nothing_keeps_the_heads_draft():
     assert propose(head, ctx, len(WORD_PROMPT), cfg, INFO, _Pointer(0.9)) == head
     assert base(head, ctx, len(WORD_PROMPT), cfg, INFO, _Pointer(0.1)) == _ids("use", '"],', "colors")
     assert propose(head, ctx, len(WORD_PROMPT), cfg, INFO, _Pointer(0.1)) == _ids("use", '"],', "colors")
+
+
+# --- a number value's first digit: the pointer's pick among the prompt's numbers -----------------------------
+
+class NumberPointer:
+    """Picks ``number`` at a number value's start (``numbers=True``) and nothing at a string's; records what
+    it was asked. ``numbers``: whether it was trained with number values."""
+
+    def __init__(self, number=(), numbers=True):
+        self._number, self.numbers = list(number), numbers
+        self.cfg = type("Cfg", (), {"veto_p": 0.5, "min_p": 0.7})()
+        self.asked = []
+
+    def pick(self, context, prompt_len, k, texts, encode, special, numbers=False):
+        self.asked.append((list(context), numbers))
+        return self._number[:k] if numbers and self.numbers else []
+
+    def no_copy(self, context, prompt_len, texts, encode, special):
+        return 0.0
+
+
+def test_a_number_value_starts_after_a_keys_colon_in_the_reply_only():
+    from cartspec.drafting.tokens import number_open
+
+    P = len(PROMPT)
+    assert number_open(PROMPT + KEY_PRICE, P, INFO)  # '"price_max": '
+    assert number_open(PROMPT + KEY_PRICE[:-1], P, INFO)  # '"price_max":' (a model that writes no space)
+    assert not number_open(PROMPT + KEY_PRICE + _ids("2"), P, INFO)  # the number has begun
+    assert not number_open(PROMPT + COLORS, P, INFO)  # a string array opened
+    assert not number_open(PROMPT, P, INFO) and not number_open(PROMPT[:-1], P - 1, INFO)  # the prompt
+    assert not number_open(PROMPT + _ids('{"', "price_max"), P, INFO)  # a key
+
+
+def test_the_pointers_number_replaces_the_heads_digits_and_the_heads_close_follows():
+    P = len(PROMPT)
+    cfg = HybridConfig(3, 4, "pointer", "prompt")
+    ctx = PROMPT + KEY_PRICE
+    # the head's 1, 0 and close, where the shopper wrote 250: the pointer's 2, 5, 0
+    ptr = NumberPointer(_ids("2", "5", "0"))
+    assert propose(_ids("1", "0", "}"), ctx, P, cfg, INFO, ptr) == _ids("2", "5", "0")
+    assert ptr.asked == [(ctx, True)]
+    # a shorter number: the head's close after it
+    assert propose(_ids("1", "0", "0"), ctx, P, cfg, INFO, NumberPointer(_ids("7", "5"))) == _ids("7", "5", "0")
+    assert propose(_ids("1", "0", "}"), ctx, P, cfg, INFO, NumberPointer(_ids("7")))[:2] == _ids("7", "}")
+    assert propose(_ids("4", ".", "5"), PROMPT + KEY_RATING, P, cfg, INFO,
+                   NumberPointer(_ids("4", ".", "2"))) == _ids("4", ".", "2")
+    # drafted after the key: the pick from the draft's number start on
+    assert propose(_ids('":', " ", "1"), PROMPT + _ids('{"', "price_max"), P, cfg, INFO,
+                   NumberPointer(_ids("2", "5", "0"))) == _ids('":', " ", "2")
+    # "no copy": the head's draft; a head that does not draft a digit there is not a number: nobody asked
+    assert propose(_ids("1", "0", "}"), ctx, P, cfg, INFO, NumberPointer()) == _ids("1", "0", "}")
+    ptr = NumberPointer(_ids("2", "5", "0"))
+    assert propose(_ids(' ["', "chart", '"],'), PROMPT + _ids('{"', "colors", '":'), P, cfg, INFO, ptr) == \
+        _ids(' ["', "chart", '"],')
+    assert all(not numbers for _, numbers in ptr.asked)
+    # a pointer trained without number values is not asked for one
+    old = NumberPointer(_ids("2", "5", "0"), numbers=False)
+    assert propose(_ids("1", "0", "}"), ctx, P, cfg, INFO, old) == _ids("1", "0", "}") and old.asked == []
+
+
+def _number_requests(n, seed):
+    """Prompts with a price and a rating in either order ("<s> under US$250 and 4.2 stars" or "<s> 4.2 stars
+    and under US$250"), each followed by a reply whose price_max is the price."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        price = [str(rng.randint(1, 9))] + [str(rng.randint(0, 9)) for _ in range(rng.randint(0, 2))]
+        rating = [str(rng.randint(1, 4)), ".", str(rng.randint(0, 9))]
+        a = _ids(" under", " US", "$", *price)
+        b = _ids(" ", *rating, " stars")
+        prompt = _ids("<s>") + (a + _ids(" and") + b if rng.random() < 0.5 else b + _ids(" and") + a) + _ids("\n")
+        out.append((prompt + KEY_PRICE + _ids(*price, "}"), len(prompt)))
+    return out
+
+
+def test_a_pointer_trained_with_number_values_picks_the_shoppers_number_and_round_trips(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from cartspec.draft.pointer import examples, train_pointer
+    from cartspec.drafting import SPECIAL_TEXT
+    from cartspec.drafting.pointer import Pointer, PointerConfig, PointerNet, save
+
+    model = tmp_path / "model"
+    model.mkdir()
+    torch.manual_seed(0)
+    save_file({"model.embed_tokens.weight": torch.randn(len(_TEXTS), 16)}, str(model / "model.safetensors"))
+    train, dev = _number_requests(300, 0), _number_requests(40, 1)
+    ex = examples(train[:1], INFO)
+    assert [e.number for e in ex] == [True]  # one value, a number: its candidates are the prompt's numbers
+    toks, P = train[0]
+    assert len(ex[0].tokens) == 3 and ex[0].positive != [0]  # the price, and 4.2 read as "4.2" and "2"
+    log = train_pointer(model, train, INFO, tmp_path / "ptr", epochs=15, dev=dev, log=lambda m: None)
+    assert log["numbers"]["examples"] == 300 and log["numbers"]["copied"] == 300
+    assert log["numbers"]["epochs"][-1]["dev_number_copied_top1"] >= 0.9, log["numbers"]["epochs"]
+    ptr = Pointer.load(tmp_path / "ptr", model)
+    assert ptr.numbers
+    for toks, P in dev[:10]:
+        ctx = toks[:P + len(KEY_PRICE)]
+        price = toks[P + len(KEY_PRICE):-1]
+        assert ptr.pick(ctx, P, 3, INFO.texts, INFO.encode, SPECIAL_TEXT, numbers=True) == price
+        c, p = ptr.probs(ctx, P, INFO.texts, INFO.encode, SPECIAL_TEXT, numbers=True)
+        assert all(p[1 + n] == 0 for n, s in enumerate(c.starts) if not c.text[s].isdigit())  # numbers only
+    # a pointer saved without a number net (one trained before number values) picks no number
+    cfg = PointerConfig(dim=8, hidden=8, embed_dim=16)
+    save(PointerNet(cfg), cfg, tmp_path / "old")
+    old = Pointer.load(tmp_path / "old", model)
+    assert not old.numbers
+    assert old.pick(ctx, P, 3, INFO.texts, INFO.encode, SPECIAL_TEXT, numbers=True) == []
+    with pytest.raises(ValueError, match="cartspec draft pointer"):
+        old.probs(ctx, P, INFO.texts, INFO.encode, SPECIAL_TEXT, numbers=True)

@@ -47,7 +47,8 @@ def pointer_draft(draft: Sequence[int], head: Sequence[int], n_look: int, contex
     for i in range(k):
         last = draft[i - 1] if i else context[-1]
         if not info.opens[last]:
-            if i >= n_look and info.digit[draft[i]] and (info.colon[last] or not info.texts[last].strip()):
+            if (i >= n_look and info.digit[draft[i]] and getattr(pointer, "numbers", False)
+                    and (info.colon[last] or not info.texts[last].strip())):
                 ctx = list(context) + draft[:i]
                 if number_open(ctx, prompt_len, info):
                     return draft[:i] + number_pick(ctx, prompt_len, head[i:], info, pointer)
