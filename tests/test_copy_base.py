@@ -197,6 +197,9 @@ def test_a_number_value_starts_after_a_keys_colon_in_the_reply_only():
     assert not number_open(PROMPT + COLORS, P, INFO)  # a string array opened
     assert not number_open(PROMPT, P, INFO) and not number_open(PROMPT[:-1], P - 1, INFO)  # the prompt
     assert not number_open(PROMPT + _ids('{"', "price_max"), P, INFO)  # a key
+    # free text's colon is no key's: "Order: " in a support answer
+    free = TokenInfo.from_texts(["<s>", "Order", ":", " ", "7"], special=[0])
+    assert not number_open([0, 1, 2, 3], 1, free) and not number_open([0, 1, 2], 1, free)
 
 
 def test_the_pointers_number_replaces_the_heads_digits_and_the_heads_close_follows():

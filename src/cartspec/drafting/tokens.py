@@ -112,15 +112,15 @@ def number_open(context: Sequence[int], prompt_len: int, info: TokenInfo) -> boo
     """The context ends where a key's value starts and nothing of it is written yet (``"price_max":`` or
     ``"price_max": ``, in the reply): where a number value's first digit comes, if the value is a number
     (``json.dumps`` writes ``": "`` and then the value; a string or an array would open with ``"`` or ``[``)."""
+    texts = info.texts
     L = len(context)
-    if L <= prompt_len:
+    if L <= prompt_len or texts is None:
         return False
     last = context[-1]
-    if info.colon[last]:
-        return True
-    texts = info.texts
-    return (L - 1 > prompt_len and texts is not None and not texts[last].strip() and len(texts[last]) <= 2
-            and bool(info.colon[context[-2]]))
+    if not texts[last].strip() and len(texts[last]) <= 2 and L - 1 > prompt_len:
+        last = context[-2]
+    # a key's colon, not free text's ("Order number: 1234" in a support answer)
+    return bool(info.colon[last]) and texts[last].rstrip().endswith('":')
 
 
 def fold(s: str) -> str:
