@@ -265,7 +265,7 @@ NUMBER_PREFIX = "number."  # the number net's tensors in ``pointer.safetensors``
 class Pointer:
     """A trained pointer ready to score (``pick``): the net, and the target's embedding projected; and where
     it was trained with one (``numbers``), a second net of the same shape for number values (its own
-    weights: trained together with the string net, the number starts cost the string picks 4 to 11 points of
+    weights: trained together with the string net, the number starts cost the string picks 2 to 11 points of
     copied values in the simulator)."""
 
     def __init__(self, net: PointerNet, embed: torch.Tensor, cfg: PointerConfig,
