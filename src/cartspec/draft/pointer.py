@@ -150,32 +150,27 @@ def _fit(net: PointerNet, embed: torch.Tensor, ex: Sequence[Example], dev_ex: Se
 
 @torch.no_grad()
 def accuracy(net: PointerNet, embed: torch.Tensor, ex: Sequence[Example]) -> dict[str, float]:
-    """On ``ex``: the share of copied string values whose first token the pick drafts right, and of the other
-    string values where it picks "no copy"; the same for number values (``dev_number_...``: the number
-    picked whole)."""
+    """On ``ex`` (one kind of value: ``train_pointer`` checks each net on its own): the share of copied values
+    the pick drafts right (a string's first token, a number whole), and of the other values where it picks
+    "no copy"; named ``dev_number_...`` for number values."""
     if not ex:
         return {}
     net.eval()
     table = net.proj(embed)
-    n = dict.fromkeys(("hit", "copy", "keep", "other", "num_hit", "num_copy", "num_keep", "num_other"), 0)
+    hit = n_copy = keep = n_keep = 0
     for b in range(0, len(ex), 256):
         part = ex[b:b + 256]
         tokens, flags, mask, keys, quote, pos = _batch(part)
         best = net.scores(table, tokens, flags, mask, keys, quote).argmax(1)
         for e, p, bi in zip(part, pos, best.tolist()):
-            copied = e.positive != [0]
-            right = bool(p[bi]) if copied else bi == 0
-            pre = "num_" if e.number else ""
-            n[pre + ("copy" if copied else "other")] += 1
-            n[pre + ("hit" if copied else "keep")] += right
-    out = {}
-    if n["copy"] or n["other"]:
-        out["dev_copied_top1"] = round(n["hit"] / max(1, n["copy"]), 4)
-        out["dev_no_copy_kept"] = round(n["keep"] / max(1, n["other"]), 4)
-    if n["num_copy"] or n["num_other"]:
-        out["dev_number_copied_top1"] = round(n["num_hit"] / max(1, n["num_copy"]), 4)
-        out["dev_number_no_copy_kept"] = round(n["num_keep"] / max(1, n["num_other"]), 4)
-    return out
+            if e.positive == [0]:
+                n_keep += 1
+                keep += bi == 0
+            else:
+                n_copy += 1
+                hit += bool(p[bi])
+    pre = "dev_number_" if ex[0].number else "dev_"
+    return {pre + "copied_top1": round(hit / max(1, n_copy), 4), pre + "no_copy_kept": round(keep / max(1, n_keep), 4)}
 
 
 def reply_text(req: Any) -> str | None:
