@@ -351,7 +351,7 @@ def test_anchor_needs_token_info_and_is_a_valid_setting():
 # --- the text rule: anchor plus a match on the text of a value, on a hand-made vocabulary ----------------
 
 _TTEXTS = _TEXTS + [" jacket", ",", " M", " running", " shoes", "run", "ning", " Nike", "nike", " air", " Air", "ket",
-                    "j"]
+                    "j", "acket", "x"]
 _TID = {t: i for i, t in enumerate(_TTEXTS)}
 
 
@@ -434,8 +434,11 @@ def test_text_drafts_nothing_outside_a_value_or_without_a_word_start_match():
     # "ket" is inside " jacket", not at a word start
     reply = _tids('{"', "keywords", '":', ' ["', "ket")
     assert propose(head, prompt + reply, len(prompt), TEXT, info) == head
-    # one character is not looked up ("j" would take the prompt's first word starting with j)
+    # from the first character on: "j" goes on as the prompt's word starting with j
     reply = _tids('{"', "keywords", '":', ' ["', "j")
+    assert propose(head, prompt + reply, len(prompt), TEXT, info) == _tids("acket", ",", " size")
+    # a character that starts no word of the prompt: the head's draft
+    reply = _tids('{"', "keywords", '":', ' ["', "x")
     assert propose(head, prompt + reply, len(prompt), TEXT, info) == head
     # the reply's own text does not count, only the prompt's
     reply = _tids('{"', "keywords", '":', ' ["', "run", "ning", '",', ' "', "run")

@@ -43,10 +43,11 @@ def value_in_prompt(context: Sequence[int], prompt_len: int, info: TokenInfo) ->
     if q < 0:
         return None
     value = texts[context[q]].rsplit('"', 1)[1] + "".join([texts[t] for t in context[q + 1:]])
-    # At least 2 characters: the value's first token is often a whole word (the anchor's token search has
-    # looked for it), and when it is 1 character long the prompt's latest word with that initial is a
-    # guess that would displace a head that knows the value (an enum, a size) more often than copy it.
-    # (SmolLM2 writes "navy" as "n" + "avy": such a value is helped from its second token on only.)
+    # From the first character on (``MIN_VALUE_CHARS``): SmolLM2 often starts a value with a token of one
+    # letter ("h" + "unting" of the shopper's "Hunting"), and the prompt's latest word with that initial is
+    # then what the reply copies. Where the head knows the value instead (an enum, a size), the rules that
+    # copy keep it: the pointer's "no copy" vetoes the text, and the gate keeps a head that is sure of its
+    # token (the simulator's figures before and after: docs/drafting.md, "A value's first character").
     # A token that does not decode alone (a byte of a multi-byte character, U+FFFD) matches nothing real.
     if (len(value) < MIN_VALUE_CHARS or not any(c.isalnum() for c in value) or "\ufffd" in value
             or SPECIAL_TEXT in value):

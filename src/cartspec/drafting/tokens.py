@@ -86,7 +86,7 @@ def value_start(context: Sequence[int], prompt_len: int, info: TokenInfo) -> boo
 
 # the ``text`` rule's limits (module doc, ``text_lookup``)
 VALUE_TOKENS = 16  # tokens since the opening quote searched back for it: a longer value is free text, not a copy
-MIN_VALUE_CHARS = 2  # a value's text so far shorter than this is not looked up
+MIN_VALUE_CHARS = 1  # a value's text so far shorter than this is not looked up
 CONT_CHARS = 16  # the prompt's text re-encoded: this many characters per draft token, then on to the next space
 
 
