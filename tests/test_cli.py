@@ -87,3 +87,66 @@ def test_study_builds_the_report_once_and_ends_with_its_path(tmp_path, monkeypat
     assert len(built) == 1
     tail = r.output.strip().splitlines()[-2:]
     assert tail == [f"report: {run / 'report.html'}", f"summary: {run / 'summary.json'}"]
+
+
+def test_draft_acceptance_names_the_servers_error_when_its_requests_fail(tmp_path):
+    """A server that answers every request with a 500 (vLLM's engine core died): ``draft acceptance`` exits
+    with a one-line error that counts the failures and says where the cause is, not a traceback; where this
+    process started the server, the first error of its log is in the message (``requests_failed``)."""
+    import http.server
+    import json
+    import threading
+    from types import SimpleNamespace
+
+    from cartspec.draft.acceptance import requests_failed
+    from cartspec.serving.endpoint import EndpointError
+    from cartspec.serving.server import DeploymentError
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _send(self, code, body):
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send(200, {"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._send(500, {"error": {"message": "EngineCore encountered an issue. See stack trace (above)"}})
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    out = tmp_path / "acc.json"
+    try:
+        r = runner.invoke(app, ["draft", "acceptance", "--method", "ngram", "--server",
+                                f"http://127.0.0.1:{srv.server_address[1]}", "--served-name", "m", "--limit", "3",
+                                "--out", str(out)])
+    finally:
+        srv.shutdown()
+    assert r.exit_code == 2, r.output
+    text = " ".join(r.output.split())
+    assert "3 of 3 requests failed" in text and "own log" in text and "Traceback" not in r.output
+    assert not out.exists()
+
+    log = tmp_path / "vllm.log"
+    log.write_text("(Worker pid=1) ERROR [multiproc_executor.py:1063] ImportError: cannot import name 'x' from 'y'\n"
+                   "(APIServer pid=2) ERROR vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue\n")
+    from cartspec.serving.endpoint import VllmEndpoint
+
+    ep = VllmEndpoint.__new__(VllmEndpoint)
+    ep.server, ep.url = SimpleNamespace(log_path=log), "http://127.0.0.1:1"
+    err = requests_failed(ep, 2, 5, RuntimeError("model server answered 500"))
+    assert isinstance(err, DeploymentError)
+    assert "2 of 5 requests failed" in str(err) and "ImportError: cannot import name 'x'" in str(err)
+    assert str(log) in str(err)
+    log.write_text("INFO all fine\n")
+    assert "records no error" in str(requests_failed(ep, 1, 1, RuntimeError("500")))
+    plain = SimpleNamespace(url="http://h", server=None, log_cause=lambda: None)
+    assert isinstance(requests_failed(plain, 1, 1, RuntimeError("500")), EndpointError)

@@ -217,7 +217,7 @@ def measure_vllm(target: str, method: str, gamma: int, reqs: Sequence[Request], 
         versions = ep.versions
     errors = [r for r in results if isinstance(r, Exception)]
     if errors:
-        raise RuntimeError(f"{len(errors)} of {len(reqs)} requests failed; first: {errors[0]}")
+        raise requests_failed(ep, len(errors), len(reqs), errors[0])
     outputs = []
     steps = []
     for c in results:
@@ -299,6 +299,22 @@ def schema_tracks(tokenizer, schema: dict[str, Any]) -> Callable[[Sequence[int]]
     from ..drafting.schema import SchemaGrammar
 
     return SchemaGrammar(tokenizer, schema).track
+
+
+def requests_failed(ep: Any, failed: int, total: int, first: BaseException) -> Exception:
+    """The error for a measurement whose requests failed: a ``DeploymentError`` with the first error of the
+    server's own log where this process started the server (a 500 only says "EngineCore encountered an
+    issue"), else an ``EndpointError``; both name what to look at."""
+    from ..serving.endpoint import EndpointError
+    from ..serving.server import DeploymentError
+
+    msg = f"{failed} of {total} requests failed; first: {first}"
+    cause = ep.log_cause()
+    if cause:
+        return DeploymentError(f"{msg}; the server log's first error: {cause}")
+    if getattr(ep, "server", None) is not None:
+        return DeploymentError(f"{msg}; the vLLM log records no error (log: {ep.server.log_path})")
+    return EndpointError(f"{msg} (the server at {ep.url} says why in its own log)")
 
 
 def greedy_features(target: str, reqs: Sequence[Request], max_tokens: int = 192, log: Callable[[str], None] = print,

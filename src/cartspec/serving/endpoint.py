@@ -134,6 +134,11 @@ class Endpoint:
             return f"the endpoint {self.url} refuses us ({seen}){_refused(401)}"
         return f"the endpoint {self.url} stopped answering ({seen or 'not asked yet'})"
 
+    def log_cause(self) -> str | None:
+        """The first error the server's own log records, with the log's path, where this process has its log
+        (a server it started); None here: nobody here started it."""
+        return None
+
     # --- what it is ---------------------------------------------------------
     @property
     def versions(self) -> dict[str, str]:
@@ -217,6 +222,12 @@ class VllmEndpoint(Endpoint):
             cause = (telling[-1] if telling else "no error line in log").strip()[-300:]
         return f"vLLM server died (exit code {code}): {cause} (log: {self.server.log_path})"
 
+    def log_cause(self) -> str | None:
+        from .server import read_log, root_cause
+
+        cause = root_cause(read_log(self.server.log_path))
+        return f"{cause} (log: {self.server.log_path})" if cause else None
+
 
 class _Launched(Endpoint):
     """What an injected launcher started: it knows its own liveness, death and description."""
@@ -230,6 +241,10 @@ class _Launched(Endpoint):
 
     def died_reason(self) -> str:
         return self.started.died_reason()
+
+    def log_cause(self) -> str | None:
+        cause = getattr(self.started, "log_cause", None)
+        return cause() if callable(cause) else None
 
     def describe(self) -> "DeploymentInfo":
         return self.started.describe()
