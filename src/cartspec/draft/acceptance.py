@@ -312,7 +312,7 @@ def requests_failed(ep: Any, failed: int, total: int, first: BaseException) -> E
     cause = ep.log_cause()
     if cause:
         return DeploymentError(f"{msg}; the server log's first error: {cause}")
-    if getattr(ep, "server", None) is not None:
+    if ep.server is not None:
         return DeploymentError(f"{msg}; the vLLM log records no error (log: {ep.server.log_path})")
     return EndpointError(f"{msg} (the server at {ep.url} says why in its own log)")
 
