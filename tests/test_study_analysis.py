@@ -83,13 +83,32 @@ DROPPED_FROM_GOLDEN = (
 )
 
 
+FLOAT = re.compile(r"-?\d+\.\d+(?:e-?\d+)?")
+
+
+def _floats_rounded(obj):
+    """``obj`` (parsed JSON) with every float to 12 significant digits."""
+    if isinstance(obj, float):
+        return float(f"{obj:.12g}")
+    if isinstance(obj, list):
+        return [_floats_rounded(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _floats_rounded(v) for k, v in obj.items()}
+    return obj
+
+
 def test_summary_and_report_are_byte_identical_to_the_golden_run(run_dir):
     """``golden/`` holds summary.json and report.html as the code before the typed results-to-report path
-    (issue 32) built them from this fixture. The refactor moves code: the summary is the same to the byte,
+    (issue 32) built them from this fixture. The refactor moves code: the summary is the same to the byte
+    but for a float's last digits (to 12 significant digits),
     and so is the page, less the table it drops on purpose (``DROPPED_FROM_GOLDEN``). One change since was
     made on purpose and written into both files: the verdict's sentence on greedy parity per dtype and load."""
     after = _golden_form((run_dir / "summary.json").read_text(), run_dir)
-    assert after == (DATA / "golden" / "summary.json").read_text()
+    golden = (DATA / "golden" / "summary.json").read_text()
+    # the cost model's least-squares fit differs in a float's last digits between CPUs (numpy's BLAS takes
+    # AVX2 or AVX-512 kernels): floats are compared to 12 significant digits, everything else to the byte
+    assert _floats_rounded(json.loads(after)) == _floats_rounded(json.loads(golden))
+    assert re.sub(FLOAT, "F", after) == re.sub(FLOAT, "F", golden)
     before = (DATA / "golden" / "report.html").read_text()
     for cut in DROPPED_FROM_GOLDEN:
         before, n = cut.subn("", before)
