@@ -544,3 +544,24 @@ def test_study_plan_from_settings_refuses_and_warns_before_anything_starts():
         study_plan(StudySettings(server_api_key_env="CARTSPEC_TEST_KEY"))
     external = study_plan(StudySettings(server="http://127.0.0.1:9", served_name="m"))
     assert external.server_url == "http://127.0.0.1:9" and [d.model for d in external.deployments] == ["m"]
+
+
+def test_deployments_that_differ_only_off_their_speculation_need_a_tag_to_share_a_study(tmp_path):
+    """Results, slices and the report name deployments by label: two specs with the same speculation (another
+    env, dtype or engine flags) would merge into one deployment's points unless told apart."""
+    from cartspec.bench.study import StudySettings, StudySetupError, study_plan
+    from cartspec.serving.spec import DeploymentSpec
+
+    same = tmp_path / "same.yaml"
+    same.write_text("model: commerce\nenv:\n  OMP_WAIT_POLICY: PASSIVE\n")
+    with pytest.raises(StudySetupError, match=r"both labelled 'baseline'.*tag"):
+        study_plan(StudySettings(deployments=["baseline"], spec_files=[str(same)]))
+    tagged = tmp_path / "tagged.yaml"
+    tagged.write_text("tag: passive\nmodel: commerce\nenv:\n  OMP_WAIT_POLICY: PASSIVE\n")
+    plan = study_plan(StudySettings(deployments=["baseline"], spec_files=[str(tagged)]))
+    assert [d.label for d in plan.deployments] == ["baseline", "baseline@passive"]
+    a, b = (plan.points(d)[0] for d in plan.deployments)
+    assert a.deployment != b.deployment and a.key != b.key
+    # an untagged spec is written, and its points keyed, as before the field existed
+    assert "tag" not in DeploymentSpec().model_dump(mode="json")
+    assert DeploymentSpec.load(str(tagged)).model_dump(mode="json")["tag"] == "passive"

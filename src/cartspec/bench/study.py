@@ -87,6 +87,12 @@ def study_plan(s: StudySettings, warn: Callable[[str], None] = lambda m: None) -
                             else [DeploymentSpec(model=s.served_name or "server")])
     if s.enforce_eager:
         plan.deployments = [d.model_copy(update={"enforce_eager": True}) for d in plan.deployments]
+    seen: set[str] = set()
+    for d in plan.deployments:  # results, slices and the report name deployments by label
+        if d.label in seen:
+            raise StudySetupError(f"two deployments are both labelled {d.label!r}: give the spec files a "
+                                  "distinct `tag:` (its label becomes LABEL@tag), or measure one of them")
+        seen.add(d.label)
     if not s.server:  # a head trained for another target than the served one: refuse before starting anything
         from ..model.registry import HeadMismatch, check_spec_head
 

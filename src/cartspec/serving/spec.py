@@ -246,6 +246,8 @@ class DeploymentSpec(FileModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = "cartspec"
+    tag: str | None = Field(None, description="tells apart deployments whose speculation is the same (another "
+                            "dtype, env or engine flags) in one study: their label becomes LABEL@tag")
     model: str = Field("commerce", description="'commerce', 'base' or a path to an HF directory")
     speculative: Speculative = Field(default_factory=Speculative)
     dtype: str = Field("auto", description="auto: float32 on a CPU without native bf16, bfloat16 where it is "
@@ -277,7 +279,7 @@ class DeploymentSpec(FileModel):
                 raise ValueError(f"{name} is set and engine_args passes {flag} too: keep one")
         return self
 
-    _drop_unset_scale = omit_when_none(*SCALE_FIELDS)
+    _drop_unset_scale = omit_when_none(*SCALE_FIELDS, "tag")
 
     def scale_args(self) -> list[str]:
         """The typed scale settings as vLLM flags."""
@@ -291,7 +293,7 @@ class DeploymentSpec(FileModel):
 
     @property
     def label(self) -> str:
-        return self.speculative.label
+        return f"{self.speculative.label}@{self.tag}" if self.tag else self.speculative.label
 
     def resolved(self) -> "DeploymentSpec":
         """This spec with ``dtype: auto`` replaced by the dtype picked for this machine, so that what a
