@@ -279,7 +279,7 @@ class DeploymentSpec(FileModel):
                 raise ValueError(f"{name} is set and engine_args passes {flag} too: keep one")
         return self
 
-    _drop_unset_scale = omit_when_none(*SCALE_FIELDS, "tag")
+    _drop_unset = omit_when_none(*SCALE_FIELDS, "tag")  # fields added later: absent from old results
 
     def scale_args(self) -> list[str]:
         """The typed scale settings as vLLM flags."""
