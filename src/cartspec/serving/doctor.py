@@ -1,6 +1,7 @@
 """``cartspec doctor``: what this machine serves with, and what cartspec changes inside its vLLM.
 
-It prints the machine (the CPU's vector features or the GPUs), the dtype cartspec picks and why, the vLLM,
+It prints the machine (the CPU's vector features or the GPUs), the dtype cartspec picks and why, the libraries
+it preloads into vLLM on a CPU (Intel OpenMP, tcmalloc; ``engine.cpu_preload``), the vLLM,
 torch and cartspec versions, whether vLLM finds cartspec's plugin (``vllm_plugin``) through its entry point,
 and each patch of the plugin: whether this environment needs it (or why it is skipped) and whether the
 private names of vLLM it touches hold in the installed vLLM (``vllm_plugin.registry.contract``). Nothing is
@@ -33,6 +34,8 @@ class Diagnosis:
     plugin_found: bool
     plugin_enabled: bool
     patches: list[PatchCheck]
+    preload: str = ""  # LD_PRELOAD cartspec gives vLLM here ("" on a GPU, or where none is found or the user's wins)
+    preload_notes: list[str] = field(default_factory=list)  # what is missing and how to install it
 
     @property
     def ok(self) -> bool:
@@ -47,7 +50,8 @@ class Diagnosis:
 def diagnose() -> Diagnosis:
     from importlib.metadata import entry_points
 
-    from ..machine import auto_dtype, cpu_features, engine_versions, hardware
+    from ..machine import auto_dtype, cpu_features, engine_versions, has_cuda, hardware
+    from .engine import cpu_preload, engine_env
     from ..vllm_plugin import patches
     from ..vllm_plugin.registry import PINNED_VLLM, contract, vllm_version
 
@@ -68,8 +72,10 @@ def diagnose() -> Diagnosis:
                                problems.get(p.name, [])))
     versions = {k: v for k, v in engine_versions().items() if k in ("vllm", "torch", "transformers", "cartspec",
                                                                     "cartspec_commit", "python", "cpu")}
+    pre = None if has_cuda() else cpu_preload()
     return Diagnosis(hardware(), ",".join(cpu_features()), dtype, why, versions, version, PINNED_VLLM, found,
-                     enabled, rows)
+                     enabled, rows, preload=engine_env().get("LD_PRELOAD", ""),
+                     preload_notes=list(pre.missing) if pre else [])
 
 
 def render(d: Diagnosis) -> str:
@@ -78,6 +84,9 @@ def render(d: Diagnosis) -> str:
              f"vLLM        {d.vllm or 'not installed'}" + ("" if not d.vllm else
                                                           " (the tested version)" if d.vllm.split("+")[0] ==
                                                           d.pinned_vllm else f" (tested: {d.pinned_vllm})"),
+             "preload     " + (d.preload or "none: vLLM preloads torch's libgomp")
+             + ("" if not d.preload_notes else " (" + "; ".join(d.preload_notes) + ")")
+             + (" (your LD_PRELOAD)" if os.environ.get("LD_PRELOAD") is not None else ""),
              f"torch       {d.versions.get('torch')}, transformers {d.versions.get('transformers')}, python "
              f"{d.versions.get('python')}",
              f"cartspec    {d.versions.get('cartspec')} ({d.versions.get('cartspec_commit')})",

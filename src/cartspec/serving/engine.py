@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
+import platform
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import machine
@@ -12,9 +16,85 @@ from ..machine import (auto_dtype, compute_dtype, cpu_features, engine_versions,
                        resolve_dtype, source_commit)  # re-exported: the serving layer's callers import them from here
 
 
+# Where a Linux distribution puts gperftools' tcmalloc (Debian/Ubuntu: libtcmalloc-minimal4; Fedora, conda).
+_TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+                  "/usr/local/lib")
+
+
+@dataclass(frozen=True)
+class CpuPreload:
+    """The libraries cartspec preloads into vLLM on a CPU: Intel's OpenMP runtime (``libiomp5.so``, from the
+    ``intel-openmp`` wheel of the ``cpu`` extra) and tcmalloc (``libtcmalloc_minimal``, a system package).
+
+    vLLM's CPU worker asks for both ("speculative decoding on CPU without Intel OpenMP in LD_PRELOAD will
+    cause significant performance loss"); without them it preloads torch's own libgomp and glibc's malloc
+    serves every tensor. Measured on a 2-core AVX-512 EPYC in bfloat16 (docs/experiments.md, session 31):
+    the baseline ×1.19 at one stream, the EAGLE-3 head ×1.14, the hybrid ×1.16 / ×1.21 at one / eight
+    streams, with every greedy reply unchanged. ``value`` is what ``LD_PRELOAD`` gets ("" where neither is
+    found: vLLM's default then); ``missing`` says per library what to install."""
+
+    libraries: tuple[str, ...]
+    missing: tuple[str, ...]
+
+    @property
+    def value(self) -> str:
+        return ":".join(self.libraries)
+
+    def describe(self) -> str:
+        names = ", ".join(Path(x).name for x in self.libraries) or "none (vLLM preloads torch's libgomp)"
+        return names + "".join(f"; {m}" for m in self.missing)
+
+
+def _iomp() -> str | None:
+    """libiomp5.so of the intel-openmp wheel (installed into the environment's ``lib/``)."""
+    from importlib import metadata
+
+    try:
+        for f in metadata.files("intel-openmp") or ():
+            if f.name == "libiomp5.so":
+                path = Path(f.locate()).resolve()
+                if path.is_file():
+                    return str(path)
+    except metadata.PackageNotFoundError:
+        pass
+    path = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return str(path) if path.is_file() else None
+
+
+def _tcmalloc() -> str | None:
+    for d in (*_TCMALLOC_DIRS, str(Path(sys.prefix) / "lib")):
+        for pattern in ("libtcmalloc_minimal.so.4", "libtcmalloc_minimal.so*", "libtcmalloc.so.4"):
+            found = sorted(glob.glob(os.path.join(d, pattern)))
+            if found:
+                return found[0]
+    return None
+
+
+def cpu_preload() -> CpuPreload:
+    """What cartspec preloads into vLLM on this CPU (Linux on x86-64 only: the intel-openmp wheel is built for
+    it), tcmalloc first, as vLLM orders them."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return CpuPreload((), (f"no preload on {sys.platform} {platform.machine()}",))
+    libs, missing = [], []
+    tc = _tcmalloc()
+    if tc:
+        libs.append(tc)
+    else:
+        missing.append("tcmalloc not found: `apt-get install libtcmalloc-minimal4` (scripts/install.sh does it "
+                       "where it runs as root)")
+    omp = _iomp()
+    if omp:
+        libs.append(omp)
+    else:
+        missing.append("Intel OpenMP not found: `pip install intel-openmp==2024.2.1` (the `cpu` extra)")
+    return CpuPreload(tuple(libs), tuple(missing))
+
+
 def engine_env() -> dict[str, str]:
     """Environment for vLLM processes. On CPU, compute on every core (vLLM reserves one by default, which
-    on a 2-core machine leaves one of two cores idle; docs/machine-notes.md); a user's own setting wins.
+    on a 2-core machine leaves one of two cores idle; docs/machine-notes.md), and preload Intel's OpenMP
+    runtime and tcmalloc where they are found (``cpu_preload``). A user's own setting wins: ``LD_PRELOAD=``
+    (empty) keeps vLLM's default of torch's libgomp.
 
     cartspec's drafters run inside the engine's worker, between the model's steps: numpy's OpenBLAS (the
     pointer's small products) and the tokenizer's thread pool (re-encoding a copy) are kept to the calling
@@ -29,6 +109,9 @@ def engine_env() -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": "4",
         **quiet,
     }
+    preload = cpu_preload().value
+    if preload:
+        defaults["LD_PRELOAD"] = preload
     return {k: os.environ.get(k, v) for k, v in defaults.items()}
 
 

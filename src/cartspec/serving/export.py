@@ -234,6 +234,11 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
     env_all = here.environment()
     keys = [*engine_env(), *spec.env, *(["VLLM_CPU_KVCACHE_SPACE"] if spec.kv_cache_fit else [])]
     env = {k: env_all[k] for k in dict.fromkeys(keys) if k in env_all}
+    if "LD_PRELOAD" not in spec.env and env.pop("LD_PRELOAD", None) and device == "cpu":
+        # this machine's library paths mean nothing in an image: vLLM's CPU images set their own LD_PRELOAD
+        caveats.append("cartspec preloads Intel OpenMP (libiomp5.so) and tcmalloc (libtcmalloc_minimal.so.4) into "
+                       "vLLM on this CPU, as vLLM's CPU worker asks: vLLM's CPU images set LD_PRELOAD to both; "
+                       "elsewhere `pip install intel-openmp` and install tcmalloc, and set LD_PRELOAD to their paths")
     if device == "cuda":
         env = {k: v for k, v in env.items() if not k.startswith("VLLM_CPU_")}
     elif "VLLM_CPU_OMP_THREADS_BIND" in env:
