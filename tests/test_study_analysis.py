@@ -344,3 +344,22 @@ def test_the_verdict_states_greedy_parity_per_dtype_and_load_beside_the_paired_t
                      output_throughput=10.0) for c in (1, 8)]
     fast = [r.model_copy(update={"speedup_vs_baseline": 2.0, "output_throughput": 20.0}) for r in rows]
     assert line + "." in verdict(base + fast, [], 2.0)
+
+
+def test_a_tagged_deployment_is_compared_with_the_baseline_of_its_own_tag():
+    """A study holding two baselines that differ off their speculation (``baseline`` and ``baseline@iomp``)
+    pairs each speculative deployment with the baseline of its tag, not with whichever was measured last."""
+    from cartspec.analysis.rows import study_rows
+
+    both = ("baseline", "baseline@iomp", "eagle3-domain-g3", "eagle3-domain-g3@iomp")
+    pts = [_sliced("baseline", "none", None, [100.0, 100.0], beside=both),
+           _sliced("eagle3-domain-g3", "eagle3", 3, [200.0, 200.0], beside=both),
+           _sliced("eagle3-domain-g3@iomp", "eagle3", 3, [250.0, 250.0], beside=both),
+           _sliced("baseline@iomp", "none", None, [125.0, 125.0], beside=both)]
+    speedup = {r.deployment: r.speedup_vs_baseline for r in study_rows(pts)}
+    assert speedup["eagle3-domain-g3"] == pytest.approx(2.0)
+    assert speedup["eagle3-domain-g3@iomp"] == pytest.approx(2.0)
+    # a tag with no baseline of its own is compared with the untagged one
+    lone = _sliced("eagle3-domain-g3@other", "eagle3", 3, [300.0, 300.0], beside=both)
+    assert {r.deployment: r.speedup_vs_baseline for r in study_rows([*pts, lone])}[
+        "eagle3-domain-g3@other"] == pytest.approx(3.0)

@@ -503,9 +503,28 @@ def comparison_key(config: PointConfig) -> tuple:
     return (c.request_set, c.mode, c.concurrency, c.rate, c.temperature, c.max_tokens, c.structured, c.samples)
 
 
+def deployment_tag(label: str) -> str:
+    """The tag of a deployment's label (``LABEL@tag``; "" where it has none)."""
+    return label.partition("@")[2]
+
+
 def baselines(results: Iterable[PointResult]) -> dict[tuple, PointResult]:
-    """``comparison_key`` -> the baseline (no speculation) measured successfully there."""
-    return {comparison_key(r.config): r for r in results if r.status == "ok" and r.config.method == "none"}
+    """(tag, *``comparison_key``) -> the baseline (no speculation) measured successfully there; look a
+    point's up with ``baseline_for``."""
+    return {(deployment_tag(r.config.deployment), *comparison_key(r.config)): r for r in results
+            if r.status == "ok" and r.config.method == "none"}
+
+
+def baseline_for(base: dict[tuple, PointResult], config: PointConfig) -> PointResult | None:
+    """The baseline a point is compared with, at its ``comparison_key``: the baseline of its own tag where
+    the study has one (``eagle3-domain-g3@iomp`` beside ``baseline@iomp``, when a study holds two baselines
+    that differ off their speculation), else the untagged one, else the only one there is."""
+    key = comparison_key(config)
+    hit = base.get((deployment_tag(config.deployment), *key)) or base.get(("", *key))
+    if hit is None:
+        same = [b for k, b in base.items() if k[1:] == key]
+        hit = same[0] if len(same) == 1 else None
+    return hit
 
 
 def matched_records(baseline: PointResult, point: PointResult) -> list[tuple[RequestRecord, RequestRecord]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ..results import PointResult, baselines, comparison_key, matched_records
+from ..results import PointResult, baseline_for, baselines, matched_records
 from .models import QualityTest, StudyRow
 from .specs import measured_spec
 
@@ -60,7 +60,7 @@ def study_rows(results: list[PointResult]) -> list[StudyRow]:
                                             r.config.load_value)):
         c = r.config
         spec = measured_spec(c)
-        b = base.get(comparison_key(c))
+        b = baseline_for(base, c)
         ok = r.status == "ok"
         speedup = (r.output_throughput / b.output_throughput
                    if ok and b and b.output_throughput and r.output_throughput is not None else None)
@@ -94,7 +94,7 @@ def quality_tests(results: list[PointResult]) -> list[QualityTest]:
     base = baselines(results)
     pairs: dict[tuple, list[tuple]] = {}
     for r in results:
-        b = base.get(comparison_key(r.config))
+        b = baseline_for(base, r.config)
         if r.status != "ok" or r.config.method == "none" or b is None:
             continue
         key = (r.config.deployment, r.config.temperature, r.config.request_set)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from ..results import PointResult, baselines, comparison_key, load_results, matched_records, now_iso
+from ..results import PointResult, baseline_for, baselines, load_results, matched_records, now_iso
 from ..task.request_sets import load_request_set
 from .models import QUALITY_FILE, Pair, QualityEntry, QualityReport
 from .paired import METRICS, field_deltas, metric_values, paired_test
@@ -51,7 +51,7 @@ def collect_pairs(results: list[PointResult]) -> dict[tuple[str, float, str], li
     base = baselines(results)
     out: dict[tuple[str, float, str], list[Pair]] = {}
     for r in results:
-        b = base.get(comparison_key(r.config))
+        b = baseline_for(base, r.config)
         if r.status != "ok" or r.config.method == "none" or b is None:
             continue
         key = (r.config.deployment, r.config.temperature, r.config.request_set)
