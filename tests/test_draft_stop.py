@@ -115,7 +115,7 @@ def test_the_patch_cuts_each_requests_draft_and_keeps_vllms_tokens(monkeypatch, 
     runner = lone.GPUModelRunner()
     out = runner.propose_draft_token_ids(None)
     assert isinstance(out, torch.Tensor) and out.tolist() == [[4, 4, 4]]
-    assert not hasattr(runner.drafter, "_cartspec_probs")  # the drafter was never asked for probabilities
+    assert not hasattr(runner.drafter, "_cartspec_logits")  # the drafter was never asked for its logits
 
 
 def test_draft_vocab_wraps_every_eagle3_drafter_and_records_only_at_the_steps_that_ask():
@@ -125,19 +125,19 @@ def test_draft_vocab_wraps_every_eagle3_drafter_and_records_only_at_the_steps_th
     draft_stop.apply(mod)
     runner = mod.GPUModelRunner()
     assert runner.propose_draft_token_ids(None) == [[4, 4, 4], [], [4, 4]]
-    assert len(runner.drafter._cartspec_probs) == 3 and runner.drafter._cartspec_recording is False
+    assert len(runner.drafter._cartspec_logits) == 3 and runner.drafter._cartspec_recording is False
     plain = _stand_in({}, conf)  # an EAGLE-3 deployment that asks nothing: wrapped, records nothing
     draft_vocab.apply(plain)
     draft_stop.apply(plain)
     runner = plain.GPUModelRunner()
     assert runner.propose_draft_token_ids(None).tolist() == [[4, 4, 4]] * 3
-    assert runner.drafter._cartspec_probs == [] and runner.drafter._cartspec_recording is False
+    assert runner.drafter._cartspec_logits == [] and runner.drafter._cartspec_recording is False
     other = _stand_in({}, conf)  # another proposer: left alone
     draft_vocab.apply(other)
     runner = other.GPUModelRunner()
     runner.speculative_config.method = "ngram"
     runner.propose_draft_token_ids(None)
-    assert not hasattr(runner.drafter, "_cartspec_probs")
+    assert not hasattr(runner.drafter, "_cartspec_logits")
 
 
 def test_a_hybrids_draft_is_cut_only_by_the_heads_own_tokens_before_its_first_copy():
@@ -319,10 +319,11 @@ def test_serve_and_draft_acceptance_take_the_threshold_and_refuse_it_without_a_h
     assert r.exit_code != 0 and "strictly between 0 and 1" in r.output
 
 
-def test_the_draft_vocabularys_probabilities_pick_vllms_token_and_its_softmax():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_draft_vocabularys_probabilities_pick_vllms_token_and_its_softmax(dtype):
     """vLLM spreads an EAGLE-3 head's draft-vocabulary logits over the target vocabulary (-inf elsewhere) and
-    takes the argmax; the patch reads the draft logits directly: the same token (ties included), the same
-    probability, without the full vocabulary's softmax."""
+    takes the argmax; the patch reads the draft logits directly, in float32: the same token (ties included,
+    in bfloat16 too), the same probability, without the full vocabulary's softmax."""
     g = torch.Generator().manual_seed(0)
     draft_ids = torch.sort(torch.randperm(500, generator=g)[:64]).values  # increasing target ids
 
@@ -341,27 +342,28 @@ def test_the_draft_vocabularys_probabilities_pick_vllms_token_and_its_softmax():
             new[:, torch.arange(64) + self.draft_id_to_target_id] = logits
             return new
 
-    model = Eagle3Like()
+    model = Eagle3Like().to(dtype)
     with torch.no_grad():
         model.lm_head.weight[5] = model.lm_head.weight[9]  # a tie between two draft ids
     drafter = types.SimpleNamespace(model=model, _greedy_sample=lambda h: model.compute_logits(h).argmax(-1))
-    probs = draft_vocab.record_probs(drafter)
-    h = torch.randn(40, 8, generator=g)
+    kept = draft_vocab.record_logits(drafter)
+    h = torch.randn(40, 8, generator=g).to(dtype)
     h[0] = 0  # every logit equal
     with torch.no_grad():
         plain = drafter._greedy_sample(h)  # a step nobody records at: the token alone
-        assert probs == []
+        assert kept == []
         drafter._cartspec_recording = True
         ids = drafter._greedy_sample(h)
         full = model.compute_logits(h)
     assert ids.tolist() == plain.tolist() == full.argmax(-1).tolist()
-    assert torch.allclose(probs[0], full.softmax(-1).amax(-1), atol=1e-6)
+    assert kept[0].dtype == torch.float32 and kept[0].shape == (40, 64)  # the draft vocabulary's logits
+    assert torch.allclose(draft_vocab.probs_of(kept[0]), full.float().softmax(-1).amax(-1), atol=1e-6)
     # the hybrid's gate reads the same draft-vocabulary probabilities, for just the rows it asks
     from cartspec.vllm_plugin.hybrid import head_probs
 
     p = head_probs(drafter, [h], [(1, 0), (7, 0)])
-    assert p[(1, 0)] == pytest.approx(float(full.softmax(-1).amax(-1)[1]), abs=1e-6)
-    assert p[(7, 0)] == pytest.approx(float(full.softmax(-1).amax(-1)[7]), abs=1e-6)
+    assert p[(1, 0)] == pytest.approx(float(full.float().softmax(-1).amax(-1)[1]), abs=1e-6)
+    assert p[(7, 0)] == pytest.approx(float(full.float().softmax(-1).amax(-1)[7]), abs=1e-6)
     # the draft ids, computed once per head, are computed anew when the head's mapping changes in place
     assert draft_vocab.draft_targets(model) is draft_vocab.draft_targets(model)
     model.draft_id_to_target_id[1] = -1  # no longer increasing: the full logits are used

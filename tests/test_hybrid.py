@@ -595,7 +595,11 @@ def test_the_gate_reads_the_probabilities_recorded_while_the_head_drafted():
     torch = pytest.importorskip("torch")
     from cartspec.vllm_plugin.hybrid import recorded_probs
 
-    recorded = [torch.tensor([0.9, 0.2]), torch.tensor([0.5, 0.7])]  # per draft position, per request
+    def logits(*top):  # rows over a 4-token vocabulary whose softmax puts each ``p`` (> 1/2) on token 0
+        return torch.log(torch.tensor([[p] + [(1 - p) / 3] * 3 for p in top]))
+
+    recorded = [logits(0.9, 0.6), logits(0.5, 0.7)]  # per draft position: [requests, vocabulary]
+    recorded[1][1] = torch.log(torch.tensor([0.7, 0.0, 0.2, 0.1]))  # -inf (outside the draft vocabulary) too
     assert recorded_probs(recorded, [(0, 0), (1, 1), (1, 5), (4, 0)]) == {
         (0, 0): pytest.approx(0.9), (1, 1): pytest.approx(0.7)}  # positions or requests never drafted: no gate
     assert recorded_probs([], [(0, 0)]) == {}

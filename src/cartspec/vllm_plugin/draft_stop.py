@@ -10,9 +10,9 @@ for a spec with ``speculative.draft_stop``.
 
 Where it plugs in (vLLM 0.32 as installed):
 
-* the head's probability of each token it drafts comes from patch ``draft_vocab`` (``record_probs``: the
-  softmax over the head's draft vocabulary, at the step's positions, with vLLM's own token), which this
-  wrap asks for at a step that cuts. A drafter that picks tokens another way (``use_local_argmax_reduction``,
+* the head's probability of each token it drafts comes from patch ``draft_vocab`` (``record_logits``: the
+  head's draft-vocabulary logits at the step's positions, with vLLM's own token; ``probs_of``: the softmax
+  at that token), which this wrap asks for at a step that cuts. A drafter that picks tokens another way (``use_local_argmax_reduction``,
   a heterogeneous vocabulary) gives none, and nothing is cut;
 * ``GPUModelRunner.propose_draft_token_ids`` is wrapped: after vLLM's drafter returns its
   ``[num_reqs, k]`` tensor, each row is cut to its kept length and the drafts go back as lists, which
@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 
 from ..drafting.length import FULL_BATCH, KEY, check_stop_p, kept_lengths, threshold_at, with_copy
-from .draft_vocab import record_probs
+from .draft_vocab import probs_of, record_logits
 from .registry import Patch, Target
 
 MODULE = "vllm.v1.worker.gpu_model_runner"
@@ -54,9 +54,9 @@ def stop_p(runner) -> tuple[float, int] | None:
                    f"< {s[0]} from {s[1]} requests in a step on (less below, nothing cut at one)"))
 
 
-def cut(drafts, probs: list, p: float, num_reqs: int, copies: dict[int, int] | None = None):
+def cut(drafts, logits: list, p: float, num_reqs: int, copies: dict[int, int] | None = None):
     """``drafts`` (``[num_reqs, k]``) as lists, each cut at its kept length; the drafts unchanged where the
-    recorded probabilities do not cover them (a step drafted otherwise). ``copies``: in a hybrid, each
+    recorded logits (``draft_vocab.record_logits``, per position) do not cover them (a step drafted otherwise). ``copies``: in a hybrid, each
     request's first copied position (``drafting.length.with_copy``: the head's probabilities judge only the
     head's tokens before it). Returns (drafts, drafted, kept)."""
     import torch
@@ -64,9 +64,9 @@ def cut(drafts, probs: list, p: float, num_reqs: int, copies: dict[int, int] | N
     if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2 or drafts.shape[1] == 0:
         return drafts, 0, 0
     k = drafts.shape[1]
-    if len(probs) < k or any(t.shape[0] < num_reqs for t in probs[:k]):
+    if len(logits) < k or any(t.shape[0] < num_reqs for t in logits[:k]):
         return drafts, 0, 0
-    table = torch.stack([t[:num_reqs] for t in probs[:k]], dim=1)  # [num_reqs, k]
+    table = torch.stack([probs_of(t[:num_reqs]) for t in logits[:k]], dim=1)  # [num_reqs, k]
     lengths = kept_lengths(table, p)
     if copies:
         lengths = [with_copy(n, copies.get(i), k) for i, n in enumerate(lengths)]
@@ -88,7 +88,7 @@ def apply(mod) -> None:
         num_reqs = self.input_batch.num_reqs
         p = threshold_at(setting[0], num_reqs, setting[1])
         drafter = getattr(self, "drafter", None)
-        probs = record_probs(drafter) if p > 0 else None
+        probs = record_logits(drafter) if p > 0 else None
         if probs is None:  # nothing to cut at this batch (or a drafter this cannot read): vLLM's drafts
             return original(self, scheduler_output, *args, **kwargs)
         drafter._cartspec_recording = True

@@ -6,15 +6,21 @@ vLLM 0.32's drafter (``SpecDecodeBaseProposer._greedy_sample``) asks the head's 
 spreads those logits over the target's whole vocabulary (49,152 for SmolLM2; -inf elsewhere), then takes
 the argmax of the spread rows, at every draft position of every request. Where the draft ids map to
 strictly increasing target ids (``draft_targets``), the argmax over the draft logits, mapped, is the same
-token, ties included. This patch wraps the drafter's ``_greedy_sample`` on the instance (``record_probs``)
+token, ties included. This patch wraps the drafter's ``_greedy_sample`` on the instance (``record_logits``)
 to take it so, for every EAGLE-3 deployment: the same drafts, without the spread.
 
-At a step where a cartspec drafter needs the head's probability of each token it chose (the hybrid's gate,
+The argmax is taken over the logits converted to float32 (exact from bfloat16): on CPU, torch's argmax
+over a bfloat16 row is about 3.5 times slower than the conversion and a float32 argmax together
+(``benchmarks/draft_argmax_cost.py``), and it runs at every draft position of every step.
+
+At a step where a cartspec drafter needs the head's probability of the tokens it chose (the hybrid's gate,
 the draft length per request), it sets ``drafter._cartspec_recording`` before vLLM's drafting runs and
-reads the probabilities (``[batch]`` per position, a softmax over the draft vocabulary) from the list
-``record_probs`` returns; the flag is reset after each step. A drafter that picks its tokens another way
-(``use_local_argmax_reduction``, a heterogeneous vocabulary) is left as vLLM has it; a head without a draft
-vocabulary keeps vLLM's logits (probabilities then from the full ones).
+reads, from the list ``record_logits`` returns, each position's float32 logits (``[batch, vocab]``, kept
+as computed: nothing more is done while the head drafts); ``probs_of`` turns the rows it needs into the
+probability of each row's argmax (a softmax over the draft vocabulary). The flag is reset after each step.
+A drafter that picks its tokens another way (``use_local_argmax_reduction``, a heterogeneous vocabulary)
+is left as vLLM has it; a head without a draft vocabulary keeps vLLM's logits (probabilities then from
+the full ones).
 """
 
 from __future__ import annotations
@@ -55,18 +61,25 @@ def draft_targets(model):
 _TARGETS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def record_probs(drafter) -> list | None:
+def probs_of(logits):
+    """Each row's probability of its own argmax (``[rows]``), from float logits (``[rows, vocab]``, -inf
+    allowed): 1 / sum(exp(logits - max)), the softmax at the argmax without the whole softmax."""
+    m = logits.max(dim=-1, keepdim=True).values
+    return 1.0 / (logits - m).exp().sum(dim=-1)
+
+
+def record_logits(drafter) -> list | None:
     """Wrap the EAGLE drafter's ``_greedy_sample`` on the instance, once (module doc); the list it appends
-    each position's probabilities to (``[batch]`` float tensors) at a step with ``_cartspec_recording`` set,
-    emptied by the caller before each step; None for a drafter it leaves alone."""
+    each position's float32 logits to (``[batch, vocab]``; ``probs_of`` gives probabilities) at a step with
+    ``_cartspec_recording`` set, emptied by the caller before each step; None for a drafter it leaves alone."""
     if drafter is None or not hasattr(drafter, "_greedy_sample") or not hasattr(drafter, "model"):
         return None
     if getattr(drafter, "use_local_argmax_reduction", False) or getattr(drafter, "use_heterogeneous_vocab", False):
         return None
-    probs = getattr(drafter, "_cartspec_probs", None)
-    if probs is not None:
-        return probs
-    probs = []
+    kept = getattr(drafter, "_cartspec_logits", None)
+    if kept is not None:
+        return kept
+    kept = []
     original = drafter._greedy_sample
 
     def _greedy_sample(hidden_states):
@@ -78,28 +91,24 @@ def record_probs(drafter) -> list | None:
             return original(hidden_states)  # vLLM's own
         with torch.no_grad():
             if targets is None:  # the model's logits over the target vocabulary, as vLLM takes them
-                logits = drafter.model.compute_logits(hidden_states)
-                ids = logits.argmax(dim=-1)  # vLLM's own choice
-                lf = logits.float()
-                probs.append((lf.gather(-1, ids[:, None])[:, 0] - lf.logsumexp(dim=-1)).exp())
-                return ids
-            # the head's logits before vLLM spreads them over the target vocabulary: the same argmax, and
-            # where asked the softmax over the draft vocabulary, a sixth of the work
-            dl = drafter.model.logits_processor(drafter.model.lm_head, hidden_states)
-            j = dl.argmax(dim=-1)
+                lf = drafter.model.compute_logits(hidden_states).float()
+                kept.append(lf)
+                return lf.argmax(dim=-1)  # vLLM's own choice (the float32 logits are exact)
+            # the head's logits before vLLM spreads them over the target vocabulary: the same argmax, taken
+            # in float32 (module doc), and where asked kept for the probabilities
+            lf = drafter.model.logits_processor(drafter.model.lm_head, hidden_states).float()
             if recording:
-                lf = dl.float()
-                probs.append((lf.gather(-1, j[:, None])[:, 0] - lf.logsumexp(dim=-1)).exp())
-            return targets[j]
+                kept.append(lf)
+            return targets[lf.argmax(dim=-1)]
 
     drafter._greedy_sample = _greedy_sample
-    drafter._cartspec_probs = probs
-    return probs
+    drafter._cartspec_logits = kept
+    return kept
 
 
 def apply(mod) -> None:
     """Wrap ``GPUModelRunner.propose_draft_token_ids``: in an EAGLE-3 runner, the drafter's ``_greedy_sample``
-    is wrapped (``record_probs``) before it first drafts, and the recording flag reset after every step."""
+    is wrapped (``record_logits``) before it first drafts, and the recording flag reset after every step."""
     runner_cls = mod.GPUModelRunner
     original = runner_cls.propose_draft_token_ids
 
@@ -108,7 +117,7 @@ def apply(mod) -> None:
         drafter = getattr(self, "drafter", None)
         if drafter is None or getattr(self.speculative_config, "method", None) != "eagle3":
             return original(self, *args, **kwargs)
-        record_probs(drafter)
+        record_logits(drafter)
         try:
             return original(self, *args, **kwargs)
         finally:

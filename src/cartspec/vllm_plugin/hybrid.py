@@ -17,11 +17,11 @@ dataclass that rejects keys it does not know. A runner without them drafts as vL
 
 The gate needs the head's probability of the token it drafted, which vLLM's drafter never computes (it
 takes an argmax). The drafter's ``_greedy_sample`` (vLLM 0.32's one place where each greedy draft token is
-chosen, the first position and each after it) is wrapped on the instance by patch ``draft_vocab`` (``record_probs``):
-the head's draft-vocabulary logits, their argmax (vLLM's token) and its probability, from one product
-with the head's output layer, where vLLM's own would also spread them over the target's vocabulary. The
-gate reads those probabilities (``recorded_probs``) for each request's first position where the combined
-draft differs from the head's. For a drafter ``record_probs`` cannot read (vLLM's local-argmax or
+chosen, the first position and each after it) is wrapped on the instance by patch ``draft_vocab`` (``record_logits``):
+the head's draft-vocabulary logits and their argmax (vLLM's token), from one product with the head's
+output layer, where vLLM's own would also spread them over the target's vocabulary. The gate computes
+the probability (``recorded_probs``) only for each request's first position where the combined draft
+differs from the head's, from those kept logits. For a drafter ``record_logits`` cannot read (vLLM's local-argmax or
 heterogeneous-vocabulary modes) ``record_hidden`` keeps the hidden states instead and ``head_probs``
 computes just the rows asked (one ``compute_logits`` per step). Where the drafter samples its drafts
 nothing is recorded and no gate applies.
@@ -51,7 +51,7 @@ from ..drafting.rules import combine
 from ..drafting.gate import gate
 from ..drafting.length import first_copy
 from ..drafting.tokens import TokenInfo
-from .draft_vocab import draft_targets, record_probs
+from .draft_vocab import draft_targets, probs_of, record_logits
 from .registry import Patch, Target
 from .schema import runner_schemas
 
@@ -100,7 +100,7 @@ def apply(mod) -> None:
         method = getattr(self.speculative_config, "method", None)
         drafter = getattr(self, "drafter", None)
         gated = method == "eagle3" and cfg.head_p > 0
-        recorded = record_probs(drafter) if gated else None
+        recorded = record_logits(drafter) if gated else None
         hidden = record_hidden(drafter) if gated and recorded is None else None
         for kept in (recorded, hidden):
             if kept is not None:
@@ -152,17 +152,17 @@ def record_hidden(drafter) -> list | None:
 
 
 def recorded_probs(recorded: list, pairs: Sequence[tuple[int, int]]) -> dict[tuple[int, int], float]:
-    """``head_probs`` from what ``draft_vocab.record_probs`` kept while the head drafted (its probability of
-    each token it chose, per position, computed with its choice from the same logits): nothing is
-    recomputed. Pairs outside what was recorded are left out (no gate there)."""
-    rows: dict[int, list[float]] = {}
-    out = {}
-    for i, j in pairs:
-        if j < len(recorded) and i < recorded[j].shape[0]:
-            if j not in rows:
-                rows[j] = recorded[j].tolist()
-            out[(i, j)] = rows[j][i]
-    return out
+    """``head_probs`` from the logits ``draft_vocab.record_logits`` kept while the head drafted (per position,
+    ``[batch, vocab]``, with its choice the argmax of each row): the probability of request ``i``'s token at
+    position ``j`` for just the pairs asked, in one ``probs_of``. Pairs outside what was recorded are left
+    out (no gate there)."""
+    import torch
+
+    pairs = [(i, j) for i, j in pairs if j < len(recorded) and i < recorded[j].shape[0]]
+    if not pairs:
+        return {}
+    p = probs_of(torch.stack([recorded[j][i] for i, j in pairs])).tolist()
+    return dict(zip(pairs, p))
 
 
 def head_probs(drafter, hidden: list, pairs: Sequence[tuple[int, int]]) -> dict[tuple[int, int], float]:
@@ -183,7 +183,7 @@ def head_probs(drafter, hidden: list, pairs: Sequence[tuple[int, int]]) -> dict[
             lf = model.logits_processor(model.lm_head, rows).float()
         else:
             lf = model.compute_logits(rows).float()
-        p = (lf.max(dim=-1).values - lf.logsumexp(dim=-1)).exp().cpu().tolist()
+        p = probs_of(lf).cpu().tolist()
     return dict(zip(pairs, p))
 
 
