@@ -10,7 +10,7 @@ token, ties included. This patch wraps the drafter's ``_greedy_sample`` on the i
 to take it so, for every EAGLE-3 deployment: the same drafts, without the spread.
 
 The argmax is taken over the logits converted to float32 (exact from bfloat16): on CPU, torch's argmax
-over a bfloat16 row is about 3.5 times slower than the conversion and a float32 argmax together
+over a bfloat16 row is about three times slower than the conversion and a float32 argmax together
 (``benchmarks/draft_argmax_cost.py``), and it runs at every draft position of every step.
 
 At a step where a cartspec drafter needs the head's probability of the tokens it chose (the hybrid's gate,
