@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from cartspec.vllm_plugin import draft_vocab
+
 torch.set_num_threads(2)
 VOCAB = 8192
 
@@ -55,8 +57,7 @@ def main() -> None:
             return ids, (x.gather(-1, ids[:, None])[:, 0] - x.logsumexp(-1)).exp()
 
         def probs_of():
-            m = lf.max(-1, keepdim=True).values
-            return 1.0 / (lf - m).exp().sum(-1)
+            return draft_vocab.probs_of(lf)
 
         old_p = old_record()[1]
         assert torch.allclose(old_p, probs_of(), atol=1e-6)

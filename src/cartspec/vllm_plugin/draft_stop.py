@@ -66,7 +66,7 @@ def cut(drafts, logits: list, p: float, num_reqs: int, copies: dict[int, int] | 
     k = drafts.shape[1]
     if len(logits) < k or any(t.shape[0] < num_reqs for t in logits[:k]):
         return drafts, 0, 0
-    table = torch.stack([probs_of(t[:num_reqs]) for t in logits[:k]], dim=1)  # [num_reqs, k]
+    table = probs_of(torch.stack([t[:num_reqs] for t in logits[:k]], dim=1))  # [num_reqs, k]
     lengths = kept_lengths(table, p)
     if copies:
         lengths = [with_copy(n, copies.get(i), k) for i, n in enumerate(lengths)]

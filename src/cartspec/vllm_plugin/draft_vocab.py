@@ -62,8 +62,8 @@ _TARGETS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def probs_of(logits):
-    """Each row's probability of its own argmax (``[rows]``), from float logits (``[rows, vocab]``, -inf
-    allowed): 1 / sum(exp(logits - max)), the softmax at the argmax without the whole softmax."""
+    """Each row's probability of its own argmax (``[..., rows]``), from float logits (``[..., rows, vocab]``,
+    -inf allowed): 1 / sum(exp(logits - max)), the softmax at the argmax without the whole softmax."""
     m = logits.max(dim=-1, keepdim=True).values
     return 1.0 / (logits - m).exp().sum(dim=-1)
 
