@@ -10,13 +10,17 @@ the figures are the hybrid's Python and numpy work per step, which runs on the s
 
     .venv/bin/python benchmarks/hybrid_step_profile.py --out runs/hybrid-profile.json [--profile]
 
-``--profile`` adds cProfile's top functions at batch 8.
+``--profile`` adds cProfile's top functions at batch 8. Each batch size's row records a digest of every draft
+(``drafts_sha256``, of the last pass): a change that should draft the same tokens, run before and after,
+gives the same digest.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
 import random
 import statistics
 import sys
@@ -76,10 +80,13 @@ def main() -> None:
 
     out = {"source": str(Path(cartspec.__file__).parent), "rule": args.rule, "gamma": k, "requests": len(seqs), "machine": engine_versions(), "batches": {}}
 
+    digests: dict[int, str] = {}
+
     def run_batch(B: int, seed: int) -> list[float]:
         """Per-step seconds of ``hybrid_drafts`` over the replies, B requests at a time."""
         rng = random.Random(seed)
         times = []
+        digest = hashlib.sha256()  # of every draft: two versions that draft alike give the same
         order = list(range(len(seqs)))
         rng.shuffle(order)
         for start in range(0, len(order), B):
@@ -113,28 +120,32 @@ def main() -> None:
                     shift = 1 if i % 3 == 2 else 0  # a head that is off by one: copies and head disagree
                     heads[i] = torch.from_numpy(rows[i, nxt + shift:nxt + shift + k])
                 t0 = time.perf_counter()
-                hybrid_drafts(runner, heads, sampled, cfg, info, pointer)
+                drafts = hybrid_drafts(runner, heads, sampled, cfg, info, pointer)
                 times.append(time.perf_counter() - t0)
-                if hasattr(runner, "_cartspec_schemas"):
-                    runner_extra["_cartspec_schemas"] = runner._cartspec_schemas
+                digest.update(np.asarray(drafts, dtype=np.int64).tobytes())
+                for kept in ("_cartspec_schemas", "_cartspec_prompts"):  # made once, kept by a runner
+                    if hasattr(runner, kept):
+                        runner_extra[kept] = getattr(runner, kept)
                 for i in range(B):
                     pos[i] = min(pos[i] + last[i], ends[i] - 1)
                     last[i] = 1 + rng.choice(range(k + 1))
+        digests[B] = digest.hexdigest()[:16]
         return times
 
     def cold() -> None:
         """Empty every per-context and per-prompt cache: a server meets each value's opening once."""
         import importlib
 
-        lookup = importlib.import_module("cartspec.drafting.lookup")
-        pointer_mod = importlib.import_module("cartspec.drafting.pointer")
-
-        lookup._INDEX.clear()
-        pointer_mod._PROMPTS.clear()
+        try:  # the prompts' text, n-gram index and candidate words, kept per prompt
+            importlib.import_module("cartspec.drafting.prompt").clear()
+        except ImportError:  # a version before drafting.prompt kept them in two caches of its own
+            importlib.import_module("cartspec.drafting.lookup")._INDEX.clear()
+            importlib.import_module("cartspec.drafting.pointer")._PROMPTS.clear()
+        runner_extra.pop("_cartspec_prompts", None)  # each request's Prompt, kept by the runner
         if pointer is not None:
             pointer._memo.clear()
-        for schemas in runner_extra.values():  # each request's grammar track
-            for g in schemas.grammars.values():
+        if "_cartspec_schemas" in runner_extra:  # each request's grammar track
+            for g in runner_extra["_cartspec_schemas"].grammars.values():
                 g._tracks.clear()
 
     run_batch(1, 99)  # the first call's imports and allocations
@@ -150,9 +161,10 @@ def main() -> None:
                "p90_ms": round(1000 * sorted(steps)[int(0.9 * len(steps))], 3),
                "per_request_us": round(1e6 * statistics.median(means) / B, 1), "steps": len(steps),
                "pass_means_ms": [round(1000 * x, 3) for x in means]}
+        row["drafts_sha256"] = digests[B]
         out["batches"][str(B)] = row
         print(f"batch {B:>2}: {row['mean_ms']:.3f} ms per step (median {row['median_ms']:.3f}, p90 {row['p90_ms']:.3f}), "
-              f"{row['per_request_us']:.0f} us per request", flush=True)
+              f"{row['per_request_us']:.0f} us per request, drafts {row['drafts_sha256']}", flush=True)
 
     if args.profile:
         import cProfile
@@ -165,7 +177,7 @@ def main() -> None:
         run_batch(8, 1)
         pr.disable()
         s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
+        pstats.Stats(pr, stream=s).sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(int(os.environ.get("PROFILE_TOP", "25")))
         out["profile_b8"] = s.getvalue()
         print(s.getvalue())
     args.out.parent.mkdir(parents=True, exist_ok=True)

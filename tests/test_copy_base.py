@@ -151,10 +151,10 @@ class _Pointer:
         self.no = no
         self.cfg = type("Cfg", (), {"veto_p": 0.5, "min_p": 0.7})()
 
-    def pick(self, *a):
+    def pick(self, *a, **kw):
         return []
 
-    def no_copy(self, *a):
+    def no_copy(self, *a, **kw):
         return self.no
 
 
@@ -179,11 +179,11 @@ class NumberPointer:
         self.cfg = type("Cfg", (), {"veto_p": 0.5, "min_p": 0.7})()
         self.asked = []
 
-    def pick(self, context, prompt_len, k, texts, encode, special, numbers=False):
+    def pick(self, context, prompt_len, k, texts, encode, special, numbers=False, prompt=None):
         self.asked.append((list(context), numbers))
         return self._number[:k] if numbers and self.numbers else []
 
-    def no_copy(self, context, prompt_len, texts, encode, special):
+    def no_copy(self, context, prompt_len, texts, encode, special, prompt=None):
         return 0.0
 
 

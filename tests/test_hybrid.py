@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from cartspec.drafting import KEY, HybridConfig, TokenInfo, lookup, propose, value_start
 from cartspec.drafting import RULES
 from cartspec.drafting.copying import word_rest
+from cartspec.drafting.prompt import Prompt, prompt_of
 from cartspec.drafting.rules import BY_NAME, Step, draft
 from cartspec.vllm_plugin.hybrid import context_for, hybrid_drafts
 
@@ -109,6 +110,20 @@ def test_the_prompts_ngram_index_proposes_what_the_scan_does():
         want = lookup_scan(ctx, k, n_min, n_max, limit=P)
         assert lookup(ctx, k, n_min, n_max, limit=P) == want, (ctx, P, n_min, n_max, k)
         assert lookup(np.array(ctx), k, n_min, n_max, limit=P) == want
+        # the runner hands the request's kept Prompt: the same proposal, read from its index
+        assert lookup(ctx, k, n_min, n_max, limit=P, prompt=Prompt(ctx[:P])) == want
+
+
+def test_a_prompt_keeps_what_the_rules_read_of_it():
+    texts = ["a", "B", "\x00", " c"]
+    pr = Prompt([1, 0, 2, 3, 1])
+    assert (pr.first(1), pr.first(3), pr.first(9)) == (0, 3, -1)
+    assert pr.text(texts) == "Ba\x00 cB" and pr.folded(texts) == "ba\x00 cb"
+    assert pr.index(1, 2) is pr.index(1, 2)
+    # found by its tokens where no caller keeps it; a kept one of another length is not the context's
+    assert prompt_of([1, 0, 2, 3, 1, 7], 5) is prompt_of((1, 0, 2, 3, 1), 5)
+    assert prompt_of([1, 0, 2, 3, 1, 7], 5, pr) is pr
+    assert prompt_of([1, 0, 2], 3, pr).tokens == (1, 0, 2)
 
 
 def test_context_for_appends_this_steps_accepted_tokens():
@@ -116,6 +131,8 @@ def test_context_for_appends_this_steps_accepted_tokens():
     assert context_for(row, 3, [7, 8, -1, -1], vocab_size=100) == [1, 2, 3, 7, 8]
     assert context_for(row, 3, None, vocab_size=100) == [1, 2, 3]
     assert context_for(row, 2, [100], vocab_size=100) == [1, 2]  # out of vocabulary: a padding marker
+    # with the request's kept prompt only the reply is read from the row
+    assert context_for(np.array([0, 0, 3, 4, 0]), 4, [7, -1], 100, prompt=Prompt([1, 2])) == [1, 2, 3, 4, 7]
 
 
 def test_config_round_trips_and_rejects_bad_settings():
@@ -140,6 +157,7 @@ class _Batch:
         self.num_tokens_no_spec = np.array(num_tokens)
         self.num_prompt_tokens = np.array(prompt_lens)
         self.vocab_size = vocab_size
+        self.req_ids = [f"req-{i}" for i in range(len(rows))]
 
 
 class _Mask:
@@ -164,6 +182,27 @@ def test_runner_drafts_use_this_steps_tokens_in_padded_mode():
     out = hybrid_drafts(runner, heads, sampled, HybridConfig(2, 4, "lookup", "prompt"))
     assert out.tolist() == [[80, 2, 13], [21, 22, 23], [31, 32, 33]]
     assert out.dtype == torch.int32
+
+
+def test_the_runner_makes_each_requests_prompt_once_and_forgets_a_request_that_left():
+    torch = pytest.importorskip("torch")
+    batch = _Batch([[1, 50, 60, 70, 80, 2, 9], [1, 2, 3, 4]], [7, 4], [6, 3])
+    runner = _Runner(batch, [False, False])
+    heads = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    sampled = torch.tensor([[60, 70, -1, -1], [4, -1, -1, -1]])
+    cfg = HybridConfig(2, 4, "lookup", "prompt")
+    assert hybrid_drafts(runner, heads, sampled, cfg).tolist() == [[80, 2, 13], [21, 22, 23]]
+    kept = dict(runner._cartspec_prompts)
+    assert {r: p.tokens for r, p in kept.items()} == {"req-0": (1, 50, 60, 70, 80, 2), "req-1": (1, 2, 3)}
+    hybrid_drafts(runner, heads, sampled, cfg)
+    assert all(runner._cartspec_prompts[r] is p for r, p in kept.items())  # made once per request
+    # request 0 finished; another took its row: its prompt is its own, and request 0's is dropped
+    batch.req_ids = ["req-2", "req-1"]
+    batch.token_ids_cpu[0, :7] = [5, 6, 7, 8, 9, 5, 6]
+    batch.num_prompt_tokens = np.array([5, 3])
+    assert hybrid_drafts(runner, heads, torch.tensor([[-1] * 4, [4, -1, -1, -1]]), cfg).tolist()[0] == [7, 8, 9]
+    assert set(runner._cartspec_prompts) == {"req-2", "req-1"}
+    assert runner._cartspec_prompts["req-2"].tokens == (5, 6, 7, 8, 9)
 
 
 def test_the_hybrid_patch_drafts_only_in_a_runner_whose_vllm_config_asks(capsys):

@@ -30,11 +30,11 @@ class FakePointer:
         self.cfg = type("Cfg", (), {"veto_p": veto_p, "min_p": 0.7})()
         self.asked = []
 
-    def pick(self, context, prompt_len, k, texts, encode, special):
+    def pick(self, context, prompt_len, k, texts, encode, special, prompt=None):
         self.asked.append(list(context))
         return self._pick[:k]
 
-    def no_copy(self, context, prompt_len, texts, encode, special):
+    def no_copy(self, context, prompt_len, texts, encode, special, prompt=None):
         return self._no
 
 

@@ -233,7 +233,8 @@ def test_the_drafters_shortcuts_give_what_the_long_ways_give(tok, grammar):
     import random
     import re
 
-    from cartspec.drafting.schema import _accepts, _named, encoder
+    from cartspec.drafting.schema import _accepts, _named
+    from cartspec.drafting.tokens import encoder
 
     def by_regex(value, text):
         words = value.replace("_", " ").lower().strip()

@@ -6,6 +6,7 @@ Shared by the simulator (``draft.simulate``), the acceptance measurement and the
 * ``config``: ``HybridConfig``, the one default (``DEFAULT``) and the rule a target gets (``default_rule``).
 * ``rules``: the ``Rule`` interface, one file per rule, and ``propose`` (a rule, then the gate).
 * ``lookup``: vLLM's n-gram lookup. ``copying``: where a value's copy comes from in the prompt.
+* ``prompt``: one request's prompt and what the rules read of it, computed once per prompt.
 * ``tokens``: what the copy rules read of each token's text. ``gate``: the head's gate.
 * ``pointer``: the trained pointer (which word of the prompt a value copies); trained by ``draft.pointer``.
 * ``schema``: the schema drafter (a reply followed through its JSON schema's grammar; no head), alone
@@ -15,8 +16,9 @@ Shared by the simulator (``draft.simulate``), the acceptance measurement and the
 from .config import DEFAULT, HEAD_P, KEY, NEEDS_TOKENS, RULES, HybridConfig, default_rule  # noqa: F401
 from .gate import gate  # noqa: F401
 from .lookup import lookup  # noqa: F401
+from .prompt import Prompt  # noqa: F401
 from .rules import Rule, Step, propose  # noqa: F401
 from .tokens import SPECIAL_TEXT, TokenInfo, value_open, value_start  # noqa: F401
 
 __all__ = ["DEFAULT", "HEAD_P", "KEY", "NEEDS_TOKENS", "RULES", "HybridConfig", "default_rule", "gate", "lookup",
-           "Rule", "Step", "propose", "SPECIAL_TEXT", "TokenInfo", "value_open", "value_start"]
+           "Prompt", "Rule", "Step", "propose", "SPECIAL_TEXT", "TokenInfo", "value_open", "value_start"]

@@ -14,19 +14,22 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
+from .prompt import Prompt, prompt_of
 from .tokens import CONT_CHARS, MIN_VALUE_CHARS, SPECIAL_TEXT, TokenInfo, fold, value_open, value_start
 
 
-def text_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo) -> list[int]:
+def text_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo,
+                prompt: Prompt | None = None) -> list[int]:
     """The ``text`` rule's extra step (module doc): inside a reply's string value, the prompt's text after
     the value's text so far (found at a word start, any case), re-encoded, up to ``k`` tokens; [] where
-    the context is not inside a value or its text is not in the prompt.
+    the context is not inside a value or its text is not in the prompt. ``prompt``: the context's ``Prompt``
+    where the caller keeps one (every function here takes it; without it, ``prompt_of`` finds it).
 
     Cost per call (the runner calls it per request and step where nothing else matched): a walk back of
     at most ``VALUE_TOKENS`` tokens to the newest quote, which ends there outside a value; inside one, a
-    join and a search of the prompt's text (linear in the prompt, in C) and one ``encode`` of about
-    ``CONT_CHARS * k`` characters."""
-    found = value_in_prompt(context, prompt_len, info)
+    search of the prompt's text (linear in the prompt, in C; the text is joined once per prompt) and one
+    ``encode`` of about ``CONT_CHARS * k`` characters."""
+    found = value_in_prompt(context, prompt_len, info, prompt)
     if found is None:
         return []
     text, value, p, end = found
@@ -34,7 +37,8 @@ def text_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo
     return prompt_continuation(text[end:], k, info.encode, lower=value == value.lower() and text[p:end] != value)
 
 
-def value_in_prompt(context: Sequence[int], prompt_len: int, info: TokenInfo) -> tuple[str, str, int, int] | None:
+def value_in_prompt(context: Sequence[int], prompt_len: int, info: TokenInfo,
+                    prompt: Prompt | None = None) -> tuple[str, str, int, int] | None:
     """Inside a reply's string value: the prompt's text, the value's text so far and where that is found in
     the prompt's text (start, end), at a word start, any case, the latest occurrence; None where the context
     is not inside a value, the value is too short to look up or it is not in the prompt."""
@@ -52,9 +56,8 @@ def value_in_prompt(context: Sequence[int], prompt_len: int, info: TokenInfo) ->
     if (len(value) < MIN_VALUE_CHARS or not any(c.isalnum() for c in value) or "\ufffd" in value
             or SPECIAL_TEXT in value):
         return None
-    P = min(prompt_len, len(context))
-    text = "".join([texts[t] for t in context[:P]])
-    low, needle = fold(text), fold(value)
+    pr = prompt_of(context, prompt_len, prompt)
+    text, low, needle = pr.text(texts), pr.folded(texts), fold(value)
     # The latest occurrence at a word start, not the earliest (as the n-gram lookup and the anchor's token
     # search take): the reply extracts the request it answers, the prompt's last message, while earlier
     # text is the system prompt ("Extract the shopper's product search ...": a value starting "pro" or
@@ -73,7 +76,8 @@ _NUMBER_SO_FAR = re.compile(r'":\s*(\d+(?:\.\d*)?)$')  # a key's number value, i
 _NUMBER_REST = re.compile(r"\d*(?:\.\d+)?")
 
 
-def number_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo) -> list[int]:
+def number_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo,
+                  prompt: Prompt | None = None) -> list[int]:
     """Inside a number value of the reply (``"price_max": 2`` so far): the rest of the prompt's latest
     number that starts with the digits so far (``50`` of ``US$250``, ``.2`` of ``4.2 stars``), re-encoded,
     up to ``k`` tokens; [] where the context is not inside a number, no prompt number starts so, or that
@@ -85,7 +89,7 @@ def number_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenIn
     (simulated on the dev split's greedy replies at γ=3: τ 3.528 judged by the gate, 3.549 not).
 
     Cost per call: a look at the last token's text, and only inside a number a join of ``NUMBER_TAIL``
-    tokens, a regular expression and a search of the prompt's text."""
+    tokens, a regular expression and a search of the prompt's text (joined once per prompt)."""
     texts = info.texts
     L = len(context)
     if L <= prompt_len or not texts[context[-1]][-1:].isdigit() and not texts[context[-1]].endswith("."):
@@ -94,7 +98,7 @@ def number_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenIn
     if m is None:
         return []
     needle = m.group(1)
-    text = "".join([texts[t] for t in context[:min(prompt_len, L)]])
+    text = prompt_of(context, prompt_len, prompt).text(texts)
     p = text.rfind(needle)
     while p >= 0:
         before = text[p - 1] if p > 0 else ""
@@ -109,7 +113,8 @@ def number_lookup(context: Sequence[int], prompt_len: int, k: int, info: TokenIn
     return [int(i) for i in info.encode(rest)[:k]]
 
 
-def word_rest(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo) -> list[int]:
+def word_rest(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo,
+              prompt: Prompt | None = None) -> list[int]:
     """Inside a reply's string value whose text so far ends inside one of the prompt's words (``chartre`` of
     the shopper's ``chartreuse``, found as ``text_lookup`` finds it): the rest of that word, re-encoded (in
     lower case where the value is), up to ``k`` tokens; [] where the value's text ends at a word's end or is
@@ -124,7 +129,7 @@ def word_rest(context: Sequence[int], prompt_len: int, k: int, info: TokenInfo) 
     last = info.texts[context[-1]] if len(context) > prompt_len else ""
     if not last[-1:].isalnum():
         return []
-    found = value_in_prompt(context, prompt_len, info)
+    found = value_in_prompt(context, prompt_len, info, prompt)
     if found is None:
         return []
     text, value, _, end = found
@@ -177,7 +182,7 @@ def prompt_continuation(cont: str, k: int, encode: Any, lower: bool = False) -> 
 
 
 def anchor_lookup(head: Sequence[int], context: Sequence[int], prompt_len: int, look: Sequence[int],
-                  info: TokenInfo, text: bool = False) -> list[int]:
+                  info: TokenInfo, text: bool = False, prompt: Prompt | None = None) -> list[int]:
     """The ``anchor`` rule's lookup tokens (module doc): ``look`` (the n-gram lookup's) dropped at a value's
     start where it disagrees with the head, else, where there is none and the context's last token starts a
     value, the prompt's continuation after that word (spaced or not); cut where the head closes the value.
@@ -188,13 +193,13 @@ def anchor_lookup(head: Sequence[int], context: Sequence[int], prompt_len: int, 
     if not look:
         t = context[-1]
         if info.content[t] and value_start(context, prompt_len, info):
-            cands = {t, int(info.twin[t])} - {-1}
-            for q in range(min(prompt_len, len(context)) - 1):
-                if context[q] in cands:
-                    look = list(context[q + 1:min(prompt_len, q + 1 + len(head))])
-                    break
+            pr = prompt_of(context, prompt_len, prompt)
+            firsts = [q for c in {t, int(info.twin[t])} - {-1} if 0 <= (q := pr.first(c)) < len(pr) - 1]
+            if firsts:  # the earliest occurrence of the token or its twin, not the prompt's last token
+                q = min(firsts)
+                look = list(pr.tokens[q + 1:q + 1 + len(head)])
     if not look and text:
-        look = text_lookup(context, prompt_len, len(head), info)
+        look = text_lookup(context, prompt_len, len(head), info, prompt)
     return cut_at_close(look, head, info)
 
 

@@ -1,7 +1,7 @@
 """vLLM's n-gram proposal (prompt lookup), the copy every hybrid rule starts from.
 
 In the prompt (``limit`` = the prompt's length, the hybrid's scope ``prompt``) the prompt's n-grams are
-indexed once per prompt (``PromptIndex``, kept for the latest ``INDEX_CACHE`` prompts), so a verify step
+indexed once per prompt (``PromptIndex``, kept by the request's ``prompt.Prompt``), so a verify step
 costs a dictionary lookup per n-gram size instead of a scan of the whole context: the runner asks once
 per request and step. ``lookup_scan`` is the scan, kept as the reference the index is tested against and
 for the scope ``context`` (prompt + reply, which grows every step).
@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-INDEX_CACHE = 512  # prompts whose n-gram index is kept (a server's requests in flight, a simulator's sequence)
+from .prompt import Prompt, prompt_of
 
 
 class PromptIndex:
@@ -30,41 +30,30 @@ class PromptIndex:
             self.first[n] = d
 
 
-_INDEX: dict[tuple, PromptIndex] = {}
-
-
 def _ints(tokens: Sequence[int]) -> list[int]:
     return tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
 
 
-def prompt_index(prompt: Sequence[int], n_min: int, n_max: int) -> PromptIndex:
-    key = (n_min, n_max, tuple(_ints(prompt)))
-    idx = _INDEX.get(key)
-    if idx is None:
-        if len(_INDEX) >= INDEX_CACHE:
-            _INDEX.pop(next(iter(_INDEX)))
-        idx = _INDEX[key] = PromptIndex(prompt, n_min, n_max)
-    return idx
-
-
-def lookup(context: Sequence[int], k: int, n_min: int, n_max: int, limit: int | None = None) -> list[int]:
+def lookup(context: Sequence[int], k: int, n_min: int, n_max: int, limit: int | None = None,
+           prompt: Prompt | None = None) -> list[int]:
     """vLLM's n-gram proposal on ``context``: the longest suffix n-gram (``n_max`` down to ``n_min``)
     that occurred earlier, and up to ``k`` tokens that followed its earliest occurrence.
 
     ``limit``: only occurrences whose continuation starts before ``limit`` count, and the
-    continuation stops there (``limit`` = the prompt length: look up in the prompt only)."""
+    continuation stops there (``limit`` = the prompt length: look up in the prompt only; ``prompt``: the
+    context's ``Prompt`` where the caller keeps one, whose index is then read without finding it)."""
     L = len(context)
     if limit is None or L - 1 < limit:
         return lookup_scan(context, k, n_min, n_max, limit)
-    ctx = _ints(context)
-    idx = prompt_index(ctx[:limit], n_min, n_max)
+    pr = prompt_of(context, limit, prompt)
+    idx = pr.index(n_min, n_max)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         if limit - n < 0:
             continue
-        s = idx.first[n].get(tuple(ctx[L - n:]))
+        s = idx.first[n].get(tuple(_ints(context[L - n:])))
         if s is not None:
             st = s + n
-            return ctx[st:min(st + k, limit)]
+            return list(pr.tokens[st:min(st + k, limit)])
     return []
 
 

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from .copying import prompt_continuation
+from .prompt import Prompt, prompt_of
 from .tokens import fold
 
 SPECIALS_AFTER = 6  # one-hot of the special tokens between a word and the prompt's end (0..5, 6+ together)
@@ -107,19 +108,18 @@ class PromptWords:
     memo: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-_PROMPTS: dict[tuple, PromptWords] = {}
-PROMPT_CACHE = 512  # prompts kept (a server's requests in flight, a simulator's sequence)
 _DYNAMIC = [FLAGS.index(f) for f in ("in_reply", "is_key", "after_key")]
 
 
 def prompt_words(prompt: Sequence[int], texts: Sequence[str], special: str) -> PromptWords:
+    """``build_prompt_words`` of the prompt, kept by its ``drafting.prompt.Prompt`` (computed once per prompt)."""
+    return prompt_of(prompt, len(prompt), prompt if isinstance(prompt, Prompt) else None).words(texts, special)
+
+
+def build_prompt_words(prompt: Sequence[int], texts: Sequence[str], special: str) -> PromptWords:
     """Every word start of the prompt's text (a letter or digit after anything else, not right after a
     special token: a chat template's role name), the latest ``MAX_CANDIDATES``; each as written and, where
-    different, in lower case. Cached per prompt."""
-    cache_key = (id(texts), special, tuple(prompt))
-    hit = _PROMPTS.get(cache_key)
-    if hit is not None:
-        return hit
+    different, in lower case."""
     P = len(prompt)
     pieces = [texts[t] for t in prompt]
     offs = np.cumsum([0] + [len(p) for p in pieces])
@@ -162,12 +162,8 @@ def prompt_words(prompt: Sequence[int], texts: Sequence[str], special: str) -> P
             words.append(fw)
             prevs.append(pw)
         prev_word = fw
-    out = PromptWords(text, st_out, lowered, words, prevs, np.asarray(rows, dtype=np.int64).reshape(-1, N_SLOTS),
-                      np.asarray(flags, dtype=np.float32).reshape(-1, len(FLAGS)))
-    if len(_PROMPTS) >= PROMPT_CACHE:
-        _PROMPTS.pop(next(iter(_PROMPTS)))
-    _PROMPTS[cache_key] = out
-    return out
+    return PromptWords(text, st_out, lowered, words, prevs, np.asarray(rows, dtype=np.int64).reshape(-1, N_SLOTS),
+                       np.asarray(flags, dtype=np.float32).reshape(-1, len(FLAGS)))
 
 
 def candidates(context: Sequence[int], prompt_len: int, q: int, key: str, texts: Sequence[str],
@@ -309,14 +305,14 @@ class Pointer:
 
     def probs(self, context: Sequence[int], prompt_len: int, texts: Sequence[str],
               encode: Callable[[str], list[int]], special: str,
-              numbers: bool = False) -> tuple[Candidates, np.ndarray]:
+              numbers: bool = False, prompt: Prompt | None = None) -> tuple[Candidates, np.ndarray]:
         """At a value's opening quote (the context's last token): the candidates and the probabilities of
         "no copy" (index 0) and of each candidate (float32); with ``numbers``, at a number value's start
         (``drafting.tokens.number_open``), over the candidates that are numbers (``number_candidates``; the
         others 0). Cached per context (a value's later positions ask again); the candidates' share of the
         net's first layer is computed once per prompt (``Scorer.prompt_part``), so a value's opening costs
         the flags that read the reply and two small matrix products in numpy (no torch call on the engine's
-        cores)."""
+        cores). ``prompt``: the context's ``drafting.prompt.Prompt`` where the caller keeps one."""
         if numbers and not self.numbers:
             raise ValueError("this pointer was trained without number values: retrain it (`cartspec draft pointer`)")
         memo = (tuple(context), numbers)
@@ -325,7 +321,7 @@ class Pointer:
             return hit
         q = len(context) - 1
         key = value_key(context, prompt_len, q, texts)
-        pw = prompt_words(context[:min(prompt_len, len(context))], texts, special)
+        pw = prompt_of(context, prompt_len, prompt).words(texts, special)
         dyn = dynamic_flags(pw, context, prompt_len, q, key, texts)
         if not pw.starts:
             p = np.ones(1, dtype=np.float32)
@@ -344,22 +340,23 @@ class Pointer:
         return out
 
     def pick(self, context: Sequence[int], prompt_len: int, k: int, texts: Sequence[str],
-             encode: Callable[[str], list[int]], special: str, numbers: bool = False) -> list[int]:
+             encode: Callable[[str], list[int]], special: str, numbers: bool = False,
+             prompt: Prompt | None = None) -> list[int]:
         """The draft at a value's opening quote (the context's last token): the best candidate's tokens,
         or [] where "no copy" scores best or the best is less likely than ``min_p``. With ``numbers``, at a
         number value's start: the best number candidate's number alone (``number_continuation``)."""
         if numbers and not self.numbers:
             return []
-        c, p = self.probs(context, prompt_len, texts, encode, special, numbers)
+        c, p = self.probs(context, prompt_len, texts, encode, special, numbers, prompt)
         best = int(p.argmax())
         if best == 0 or float(p[best]) < self.cfg.min_p:
             return []
         return (number_continuation if numbers else continuation)(c, best - 1, k, encode)
 
     def no_copy(self, context: Sequence[int], prompt_len: int, texts: Sequence[str],
-                encode: Callable[[str], list[int]], special: str) -> float:
+                encode: Callable[[str], list[int]], special: str, prompt: Prompt | None = None) -> float:
         """The probability that the value opening at the context's last token copies no prompt word."""
-        return float(self.probs(context, prompt_len, texts, encode, special)[1][0])
+        return float(self.probs(context, prompt_len, texts, encode, special, prompt=prompt)[1][0])
 
 
 class Scorer:

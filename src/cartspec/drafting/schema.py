@@ -29,13 +29,13 @@ format), the track stops drafting for that request.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from .lookup import lookup as ngram_lookup
+from .tokens import encoder
 
 FORMATS = ((", ", ": "), (",", ":"))  # the separators a reply may write, in the order a track tries them
 TRACKS = 512  # requests whose track ``SchemaGrammar.track_for`` keeps (a server's requests in flight)
@@ -148,23 +148,6 @@ def _stable(encode: Callable[[str], list[int]], text: str, ids: list[int], m: An
             i += 1
         n = i
     return n
-
-
-ENCODED = 8192  # texts whose token ids a grammar keeps (keys, punctuation and values recur across requests)
-
-
-def encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    """``tokenizer.encode(text, add_special_tokens=False)``, from the fast tokenizer's Rust backend where it has
-    one (the same ids without transformers' per-call bookkeeping), the latest ``ENCODED`` texts kept."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        def encode(text: str) -> tuple[int, ...]:
-            return tuple(backend.encode(text, add_special_tokens=False).ids)
-    else:
-        def encode(text: str) -> tuple[int, ...]:
-            return tuple(tokenizer.encode(text, add_special_tokens=False))
-    kept = functools.lru_cache(maxsize=ENCODED)(encode)
-    return lambda text: list(kept(text))
 
 
 class SchemaGrammar:

@@ -50,6 +50,7 @@ from ..drafting.config import KEY, NEEDS_POINTER, NEEDS_SCHEMA, NEEDS_TOKENS, Hy
 from ..drafting.rules import combine
 from ..drafting.gate import gate
 from ..drafting.length import first_copy
+from ..drafting.prompt import Prompt
 from ..drafting.tokens import TokenInfo
 from .draft_vocab import draft_targets, probs_of, record_logits
 from .registry import Patch, Target
@@ -59,10 +60,15 @@ MODULE = "vllm.v1.worker.gpu_model_runner"
 
 
 def context_for(token_row: np.ndarray, num_tokens: int, sampled_row: Sequence[int] | None, vocab_size: int,
-                ) -> list[int]:
+                prompt: Prompt | None = None) -> list[int]:
     """A request's tokens so far: the runner's row, plus this step's accepted tokens when the
-    row does not hold them yet (padded-batch mode; ``sampled_row`` ends at the first -1)."""
-    ctx = token_row[:num_tokens].tolist()
+    row does not hold them yet (padded-batch mode; ``sampled_row`` ends at the first -1). ``prompt``: the
+    row's first tokens as the runner keeps them (``request_prompt``), then only the reply is read from the row."""
+    if prompt is not None and len(prompt) <= num_tokens:
+        ctx = list(prompt.tokens)
+        ctx.extend(token_row[len(prompt):num_tokens].tolist())
+    else:
+        ctx = token_row[:num_tokens].tolist()
     if sampled_row is not None:
         for t in sampled_row:
             t = int(t)
@@ -221,6 +227,37 @@ def runner_pointer(runner, cfg: HybridConfig):
     return _POINTER[key]
 
 
+def request_prompts(runner) -> dict[str, Prompt]:
+    """The runner's ``Prompt`` per request id (made once per request: ``request_prompt``; the requests that left
+    the batch are dropped by ``forget_departed``)."""
+    prompts = getattr(runner, "_cartspec_prompts", None)
+    if prompts is None:
+        prompts = {}
+        runner._cartspec_prompts = prompts
+    return prompts
+
+
+def forget_departed(prompts: dict[str, Prompt], batch) -> None:
+    """Drop the ``Prompt`` of every request no longer in ``batch`` (finished or preempted: a preempted one makes
+    its own again when it is back)."""
+    if len(prompts) > batch.num_reqs:
+        live = set(batch.req_ids[:batch.num_reqs])
+        for req in [r for r in prompts if r not in live]:
+            del prompts[req]
+
+
+def request_prompt(prompts: dict[str, Prompt], req_id: str, token_row: np.ndarray, prompt_len: int,
+                   num_tokens: int) -> Prompt | None:
+    """Request ``req_id``'s ``Prompt`` (its first ``prompt_len`` tokens), made from its token row on its first
+    step and kept; None while its prompt is not all in the row (a partial prefill)."""
+    pr = prompts.get(req_id)
+    if pr is None or len(pr) != prompt_len:
+        if num_tokens < prompt_len:
+            return None
+        pr = prompts[req_id] = Prompt(token_row[:prompt_len].tolist())
+    return pr
+
+
 def _first_or_end(draft: Sequence[int], head: Sequence[int], end: int) -> int:
     """The first position where ``draft`` leaves the head's draft (``drafting.length.first_copy``), ``end``
     where one is a prefix of the other."""
@@ -245,6 +282,7 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
     rows = drafts.cpu().tolist() if as_tensor else [list(d) for d in drafts]
     combined: dict[int, list[int]] = {}
     bases: dict[int, list[int]] = {}
+    prompts = request_prompts(runner)
     for i in range(min(num_reqs, len(rows))):
         if not rows[i]:
             continue
@@ -254,14 +292,17 @@ def hybrid_drafts(runner, drafts, sampled_token_ids, cfg: HybridConfig, info: To
             srow = None  # bookkeeping already appended this step's tokens
             if i < len(sampled_token_ids) and not sampled_token_ids[i]:
                 continue  # no token this step (partial prefill): nothing is drafted for it
-        ctx = context_for(batch.token_ids_cpu[i], int(batch.num_tokens_no_spec[i]), srow, batch.vocab_size)
+        n, P = int(batch.num_tokens_no_spec[i]), int(batch.num_prompt_tokens[i])
+        prompt = request_prompt(prompts, batch.req_ids[i], batch.token_ids_cpu[i], P, n)
+        ctx = context_for(batch.token_ids_cpu[i], n, srow, batch.vocab_size, prompt)
         schema = runner_schemas(runner).of(runner, batch.req_ids[i]) if cfg.rule in NEEDS_SCHEMA else None
         if cfg.rule in NEEDS_SCHEMA and schema is None:
             continue  # no schema for this request: the head's draft stands
-        new, start = combine(rows[i], ctx, int(batch.num_prompt_tokens[i]), cfg, info, pointer, schema=schema)
+        new, start = combine(rows[i], ctx, P, cfg, info, pointer, schema=schema, prompt=prompt)
         if new != rows[i]:
             combined[i] = new
             bases[i] = start
+    forget_departed(prompts, batch)
     if combined and probs is not None and cfg.head_p > 0:
         # judged where the draft leaves its base (the head's, with a number's or a word's rest: ``rules.base``)
         firsts = {i: f for i, new in combined.items() if (f := first_copy(new, bases[i])) is not None}

@@ -32,6 +32,7 @@ from ..config import HybridConfig
 from ..copying import number_lookup, splice, word_rest
 from ..gate import gate as head_gate
 from ..lookup import lookup as ngram_lookup
+from ..prompt import Prompt, prompt_of
 from ..tokens import SPECIAL_TEXT, TokenInfo, value_open
 
 
@@ -46,12 +47,13 @@ class Step:
     info: TokenInfo | None = None  # the tokens' text (rules that ``needs_tokens``)
     pointer: Any = None  # the trained pointer (``drafting.pointer.Pointer``; rule ``pointer``)
     schema: Any = None  # the reply's compiled schema (``drafting.schema.SchemaGrammar``; rule ``schema``)
+    prompt: Prompt | None = None  # the context's prompt (``drafting.prompt``), what the rules read of it kept
 
     def ngram(self) -> list[int]:
         """vLLM's n-gram lookup on the context (in the prompt only with scope ``prompt``), ``k`` tokens at most."""
         c = self.cfg
         return ngram_lookup(self.context, len(self.head), c.n_min, c.n_max,
-                      limit=self.prompt_len if c.scope == "prompt" else None)
+                            limit=self.prompt_len if c.scope == "prompt" else None, prompt=self.prompt)
 
 
 class Rule(Protocol):
@@ -73,12 +75,13 @@ def overlay(head: Sequence[int], look: Sequence[int]) -> list[int]:
     return look + head[len(look):]
 
 
-def vetoed(context: Sequence[int], prompt_len: int, info: TokenInfo, pointer: Any) -> bool:
+def vetoed(context: Sequence[int], prompt_len: int, info: TokenInfo, pointer: Any,
+           prompt: Prompt | None = None) -> bool:
     """The pointer says the string value the context ends inside copies nothing (at least its ``veto_p``):
     an enum that starts like a shopper's word (``"topic": "refund_window"`` for "refunds")."""
     q = value_open(context, prompt_len, info)
     return q >= 0 and pointer.no_copy(context[:q + 1], prompt_len, info.texts, info.encode,
-                                      SPECIAL_TEXT) >= pointer.cfg.veto_p
+                                      SPECIAL_TEXT, prompt=prompt) >= pointer.cfg.veto_p
 
 
 def _registry() -> dict[str, Rule]:
@@ -113,7 +116,7 @@ def check(step: Step, rule: Rule) -> None:
 
 
 def base(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
-         info: TokenInfo | None = None, pointer: Any = None) -> list[int]:
+         info: TokenInfo | None = None, pointer: Any = None, prompt: Prompt | None = None) -> list[int]:
     """The draft a rule starts from and the gate judges against: the head's, and for a rule that reads the
     tokens' texts (``needs_text``) what the prompt fixes and the head is not to judge, over its first
     positions with its close after them (``copying.splice``):
@@ -126,29 +129,34 @@ def base(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: Hybr
     head = list(head)
     rule = BY_NAME.get(cfg.rule)
     if head and rule is not None and rule.needs_text and info is not None and info.texts is not None:
-        number = number_lookup(context, prompt_len, len(head), info)
+        number = number_lookup(context, prompt_len, len(head), info, prompt)
         if number:
             return splice(head, number, info)
-        rest = word_rest(context, prompt_len, len(head), info)
-        if rest and not (rule.needs_pointer and pointer is not None and vetoed(context, prompt_len, info, pointer)):
+        rest = word_rest(context, prompt_len, len(head), info, prompt)
+        if rest and not (rule.needs_pointer and pointer is not None
+                         and vetoed(context, prompt_len, info, pointer, prompt)):
             return splice(head, rest, info)
     return head
 
 
 def combine(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
-            info: TokenInfo | None = None, pointer: Any = None, schema: Any = None) -> tuple[list[int], list[int]]:
+            info: TokenInfo | None = None, pointer: Any = None, schema: Any = None,
+            prompt: Prompt | None = None) -> tuple[list[int], list[int]]:
     """One request's hybrid draft before the gate, and the ``base`` it was made from (what the gate judges it
-    against: the head's tokens beyond what ``base`` copied)."""
-    start = base(head, context, prompt_len, cfg, info, pointer)
-    return draft(Step(start, context, prompt_len, cfg, info, pointer, schema)), start
+    against: the head's tokens beyond what ``base`` copied). ``prompt``: the context's ``Prompt`` where the
+    caller keeps one per request (the vLLM runner); else it is found by the prompt's tokens."""
+    prompt = prompt_of(context, prompt_len, prompt)
+    start = base(head, context, prompt_len, cfg, info, pointer, prompt)
+    return draft(Step(start, context, prompt_len, cfg, info, pointer, schema, prompt)), start
 
 
 def propose(head: Sequence[int], context: Sequence[int], prompt_len: int, cfg: HybridConfig,
-            info: TokenInfo | None = None, pointer: Any = None, conf: Any = None, schema: Any = None) -> list[int]:
+            info: TokenInfo | None = None, pointer: Any = None, conf: Any = None, schema: Any = None,
+            prompt: Prompt | None = None) -> list[int]:
     """One request's hybrid draft: ``cfg.rule``'s draft (``combine``), then the head's ``gate`` (``conf``: the
     head's probability of each of its tokens, a sequence or a mapping from positions; None: no gate;
     ``schema``: the request's ``SchemaGrammar``, for the rules that follow a schema)."""
-    new, start = combine(head, context, prompt_len, cfg, info, pointer, schema)
+    new, start = combine(head, context, prompt_len, cfg, info, pointer, schema, prompt)
     return head_gate(new, start, conf, cfg.head_p)
 
 

@@ -19,4 +19,5 @@ class Anchor:
     needs_text = needs_pointer = False
 
     def draft(self, step: Step) -> list[int]:
-        return overlay(step.head, anchor_lookup(step.head, step.context, step.prompt_len, step.ngram(), step.info))
+        return overlay(step.head, anchor_lookup(step.head, step.context, step.prompt_len, step.ngram(), step.info,
+                                                 prompt=step.prompt))

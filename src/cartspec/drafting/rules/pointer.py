@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ..copying import anchor_lookup, cut_at_close
+from ..prompt import Prompt
 from ..tokens import SPECIAL_TEXT, TokenInfo, number_open, value_open
 from . import Step, overlay, vetoed
 
@@ -29,15 +30,15 @@ class PointerRule:
     def draft(self, step: Step) -> list[int]:
         head, context, prompt_len, info, pointer = step.head, step.context, step.prompt_len, step.info, step.pointer
         ngram = step.ngram()
-        look = anchor_lookup(head, context, prompt_len, ngram, info, text=True)
-        if look and not ngram and vetoed(context, prompt_len, info, pointer):
+        look = anchor_lookup(head, context, prompt_len, ngram, info, text=True, prompt=step.prompt)
+        if look and not ngram and vetoed(context, prompt_len, info, pointer, step.prompt):
             look = []  # the anchor's or the text rule's copy, inside a value the pointer says copies nothing
         n = min(len(look), len(head))
-        return pointer_draft(overlay(head, look), head, n, context, prompt_len, info, pointer)
+        return pointer_draft(overlay(head, look), head, n, context, prompt_len, info, pointer, step.prompt)
 
 
 def pointer_draft(draft: Sequence[int], head: Sequence[int], n_look: int, context: Sequence[int], prompt_len: int,
-                  info: TokenInfo, pointer: Any) -> list[int]:
+                  info: TokenInfo, pointer: Any, prompt: Prompt | None = None) -> list[int]:
     """The ``pointer`` rule's step (module doc): at the first draft position that follows a value's opening
     quote (in the context or drafted) and is not the lookup's (``n_look``: how many leading positions of
     ``draft`` are), the pointer's pick (``draft.pointer.Pointer.pick``) replaces the draft from there, the
@@ -51,7 +52,7 @@ def pointer_draft(draft: Sequence[int], head: Sequence[int], n_look: int, contex
                     and (info.colon[last] or not info.texts[last].strip())):
                 ctx = list(context) + draft[:i]
                 if number_open(ctx, prompt_len, info):
-                    return draft[:i] + number_pick(ctx, prompt_len, head[i:], info, pointer)
+                    return draft[:i] + number_pick(ctx, prompt_len, head[i:], info, pointer, prompt)
             continue
         ctx = list(context) + draft[:i]
         if value_open(ctx, prompt_len, info) != len(ctx) - 1:
@@ -59,23 +60,25 @@ def pointer_draft(draft: Sequence[int], head: Sequence[int], n_look: int, contex
         if i < n_look:  # the lookup drafts this value: the head's instead where the two agreed up to here,
             # differ on the value and the pointer says it copies nothing (an earlier turn's value for the key)
             if (draft[:i] == list(head[:i]) and draft[i] != head[i]
-                    and pointer.no_copy(ctx, prompt_len, info.texts, info.encode, SPECIAL_TEXT) >= pointer.cfg.veto_p):
+                    and pointer.no_copy(ctx, prompt_len, info.texts, info.encode, SPECIAL_TEXT,
+                                        prompt=prompt) >= pointer.cfg.veto_p):
                 return list(head)
             return draft
-        pick = pointer.pick(ctx, prompt_len, k - i, info.texts, info.encode, SPECIAL_TEXT)
+        pick = pointer.pick(ctx, prompt_len, k - i, info.texts, info.encode, SPECIAL_TEXT, prompt=prompt)
         pick = cut_at_close(pick, head[i:], info)
         return draft[:i] + pick + list(head[i + len(pick):])
     return draft
 
 
 def number_pick(context: Sequence[int], prompt_len: int, head: Sequence[int], info: TokenInfo,
-                pointer: Any) -> list[int]:
+                pointer: Any, prompt: Prompt | None = None) -> list[int]:
     """At a number value's start where the head drafts a digit (its ``len(head)`` tokens from there): the
     pointer's pick among the prompt's numbers, then the head's tokens from where its own number ends (its
     close: ``"price_max": `` + ``1``, ``0``, ``,`` -> ``5``, ``0``, ``,`` where the shopper wrote 50); the
     head's draft where the pointer picks "no copy"."""
     head = list(head)
-    pick = pointer.pick(context, prompt_len, len(head), info.texts, info.encode, SPECIAL_TEXT, numbers=True)
+    pick = pointer.pick(context, prompt_len, len(head), info.texts, info.encode, SPECIAL_TEXT, numbers=True,
+                        prompt=prompt)
     if not pick:
         return head
     e = 0

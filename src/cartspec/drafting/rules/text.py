@@ -19,4 +19,4 @@ class Text:
 
     def draft(self, step: Step) -> list[int]:
         return overlay(step.head, anchor_lookup(step.head, step.context, step.prompt_len, step.ngram(), step.info,
-                                                text=True))
+                                                text=True, prompt=step.prompt))
