@@ -148,6 +148,28 @@ def test_candidates_are_the_shoppers_words_offered_as_written_and_in_lower_case(
     assert dict(zip(FLAGS, c.flags[3]))["lowered"] == 1
 
 
+def test_the_flags_that_read_the_reply_and_the_key():
+    from cartspec.draft.pointer import FLAGS, candidates
+
+    texts = [SPECIAL_TEXT if t == "<s>" else t for t in _WORDS]
+    prompt = _w("<s>", "user", "\n", " Find", " Nike", " shoes", " by", " brand", " Nike", " only", "<s>")
+    reply = _w('{"', "brand", '":', ' "', "Nike", '"}', '{"', "brand", '":', ' "')
+    ctx = prompt + reply
+    flags = {}
+    for key in ("brand", "", "brand"):  # the key's flags are kept per prompt and key: asked again, the same
+        c = candidates(ctx, len(prompt), len(ctx) - 1, key, texts, SPECIAL_TEXT)
+        words = [c.text[s:].replace(SPECIAL_TEXT, " ").split()[0] + ("/lower" if low else "")
+                 for s, low in zip(c.starts, c.lowered)]
+        flags[key] = [(w, tuple(float(v) for f, v in zip(FLAGS, row) if f in ("in_reply", "is_key", "after_key")))
+                      for w, row in zip(words, c.flags)]
+    # (in_reply, is_key, after_key): "Nike" is in the reply, "brand" too (as a key) and is the key's name;
+    # the second "Nike" (and its lower case) follows " brand"
+    assert flags["brand"] == [("Find", (0, 0, 0)), ("Find/lower", (0, 0, 0)), ("Nike", (1, 0, 0)),
+                              ("Nike/lower", (1, 0, 0)), ("shoes", (0, 0, 0)), ("by", (0, 0, 0)),
+                              ("brand", (1, 1, 0)), ("Nike", (1, 0, 1)), ("Nike/lower", (1, 0, 1)), ("only", (0, 0, 0))]
+    assert flags[""] == [(w, (r, 0, 0)) for w, (r, _, _) in flags["brand"]]  # no key: neither key flag
+
+
 # --- training: a pointer learns to point ----------------------------------------------------------
 
 def _synthetic(n, brands, seed):

@@ -185,22 +185,43 @@ def dynamic_flags(pw: PromptWords, context: Sequence[int], prompt_len: int, q: i
                   texts: Sequence[str]) -> np.ndarray:
     """The flags that read the reply so far (up to the quote ``context[q]``) and the key whose value opens
     there, for each of ``pw``'s candidates: [n, 3] (``in_reply``, ``is_key``, ``after_key``). Each distinct
-    word is looked up once (a word is offered twice where its lower case differs)."""
+    word is looked up once (a word is offered twice where its lower case differs), and the two flags that
+    read only the key are computed once per prompt and key."""
     P = min(prompt_len, len(context))
     reply = fold("".join([texts[t] for t in context[P:q + 1]]))
-    fkey = fold(key)
-    names = set(fkey.split("_")) | {fkey} if fkey else set()
-    seen: dict[str, float] = {}
-    out = np.zeros((len(pw.words), 3), dtype=np.float32)
-    for n, (w, prev) in enumerate(zip(pw.words, pw.prev_words)):
-        r = seen.get(w)
-        if r is None:
-            r = seen[w] = float(bool(w) and (f'"{w}' in reply or f" {w}" in reply))
-        out[n, 0] = r
-        if names:
-            out[n, 1] = w in names
-            out[n, 2] = bool(prev) and prev in names
+    distinct, of = _distinct_words(pw)
+    out = np.empty((len(pw.words), 3), dtype=np.float32)
+    if len(of):
+        found = np.fromiter((bool(w) and (f'"{w}' in reply or f" {w}" in reply) for w in distinct),
+                            dtype=np.float32, count=len(distinct))
+        out[:, 0] = found[of]
+    out[:, 1:] = _key_flags(pw, key)
     return out
+
+
+def _distinct_words(pw: PromptWords) -> tuple[list[str], np.ndarray]:
+    """``pw``'s distinct words and, per candidate, the index of its word among them (kept in ``pw.memo``)."""
+    hit = pw.memo.get("distinct")
+    if hit is None:
+        index: dict[str, int] = {}
+        of = np.array([index.setdefault(w, len(index)) for w in pw.words], dtype=np.int64)
+        hit = pw.memo["distinct"] = (list(index), of)
+    return hit
+
+
+def _key_flags(pw: PromptWords, key: str) -> np.ndarray:
+    """[n, 2]: per candidate, its word is a part of ``key`` (``is_key``), the word before it is
+    (``after_key``); kept per prompt and key in ``pw.memo``."""
+    hit = pw.memo.get(("key", key))
+    if hit is None:
+        fkey = fold(key)
+        names = set(fkey.split("_")) | {fkey} if fkey else set()
+        hit = np.zeros((len(pw.words), 2), dtype=np.float32)
+        if names:
+            hit[:, 0] = [w in names for w in pw.words]
+            hit[:, 1] = [bool(prev) and prev in names for prev in pw.prev_words]
+        pw.memo[("key", key)] = hit
+    return hit
 
 
 def continuation(c: Candidates, n: int, k: int, encode: Callable[[str], list[int]]) -> list[int]:
