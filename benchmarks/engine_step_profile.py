@@ -7,6 +7,9 @@ cartspec patch. One deployment label per run (the study's labels: ``eagle3:domai
 ``max_num_seqs``), ``--n`` test-split requests after one warm-up batch. Prints output tok/s, the per-step
 drafting and verifying times (patch ``step_stats``), and with ``--profile`` cProfile's top functions;
 ``--out`` keeps the step file and the raw profile (``LABEL.pstats``, for ``pstats`` callers/callees).
+``--timers`` times, over the measured requests, vLLM's drafter (``SpecDecodeBaseProposer.propose``: the
+head's forwards) and cartspec's hybrid drafter (``vllm_plugin.hybrid.hybrid_drafts``: the rules per request,
+and ``recorded_probs``: the gate's probabilities, inside it), ms per call, that is per step.
 
     .venv/bin/python benchmarks/engine_step_profile.py eagle3:domain:5:stop --batch 8 --profile
 
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--out", type=Path, default=Path("runs/engine-profile"))
     ap.add_argument("--profile", action="store_true", help="cProfile the measured requests")
+    ap.add_argument("--timers", action="store_true", help="time the drafter and the hybrid's own work (module doc)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -61,6 +65,8 @@ def main() -> None:
     if sc := spec.speculative.vllm_config(head):
         kw["speculative_config"] = sc
 
+    timers = install_timers() if args.timers else None
+
     from vllm import LLM, SamplingParams
 
     llm = LLM(**kw)
@@ -69,6 +75,8 @@ def main() -> None:
     llm.chat(msgs[args.n:], sp, use_tqdm=False)  # warm-up: compiled shapes, caches
     time.sleep(steps.EVERY_S)
     before = steps.read(step_file)
+    if timers is not None:
+        timers.clear()
     prof = None
     if args.profile:
         import cProfile
@@ -80,6 +88,7 @@ def main() -> None:
     dt = time.perf_counter() - t0
     if prof is not None:
         prof.disable()
+    timed = {k: {"calls": n, "ms_per_call": round(1000 * t / max(n, 1), 3)} for k, (n, t) in (timers or {}).items()}
     # the step file is written at most every EVERY_S: run one more short batch so that it holds the last steps
     time.sleep(steps.EVERY_S)
     llm.chat(msgs[:1], SamplingParams(max_tokens=1), use_tqdm=False)
@@ -87,12 +96,46 @@ def main() -> None:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     row = {"label": spec.label, "batch": args.batch, "requests": args.n, "seconds": round(dt, 2),
            "output_tokens": tokens, "tok_s": round(tokens / dt, 1), "steps": steps.summary(by)}
+    if timers is not None:
+        row["timers"] = timed
     print(json.dumps(row))
     if prof is not None:
         prof.dump_stats(args.out / f"{spec.label}.pstats")
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
         print(s.getvalue())
+
+
+def install_timers() -> dict:
+    """Wrap vLLM's drafter and cartspec's hybrid drafter with timers (module doc); returns ``{name: [calls,
+    seconds]}``, filled as they run (cleared by the caller to start the measured window)."""
+    import collections
+    import functools
+
+    import cartspec.vllm_plugin.hybrid as hybrid
+    import vllm.v1.spec_decode.llm_base_proposer as proposer
+
+    timers: dict = collections.defaultdict(lambda: [0, 0.0])
+
+    def timed(owner, name, key):
+        f = getattr(owner, name)
+
+        @functools.wraps(f)
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                row = timers[key]
+                row[0] += 1
+                row[1] += time.perf_counter() - t
+
+        setattr(owner, name, wrapper)
+
+    timed(proposer.SpecDecodeBaseProposer, "propose", "vllm_drafter")
+    timed(hybrid, "hybrid_drafts", "hybrid_drafts")  # the runner's wrap calls it by its module-level name
+    timed(hybrid, "recorded_probs", "gate_probs")
+    return timers
 
 
 if __name__ == "__main__":
