@@ -116,6 +116,18 @@ def prompt_words(prompt: Sequence[int], texts: Sequence[str], special: str) -> P
     return prompt_of(prompt, len(prompt), prompt if isinstance(prompt, Prompt) else None).words(texts, special)
 
 
+_ALNUM_RUN = re.compile(r"[^\W_]*")  # letters and digits: ``str.isalnum``'s characters are ``\w``'s but "_"
+_WORD_STARTS: dict[str, re.Pattern] = {}
+
+
+def _word_start(special: str) -> re.Pattern:
+    """A letter or digit after anything but a letter, a digit or ``special`` (or at the text's start)."""
+    pat = _WORD_STARTS.get(special)
+    if pat is None:
+        pat = _WORD_STARTS[special] = re.compile(r"(?<![^\W_])(?<!" + re.escape(special) + r")[^\W_]")
+    return pat
+
+
 def build_prompt_words(prompt: Sequence[int], texts: Sequence[str], special: str) -> PromptWords:
     """Every word start of the prompt's text (a letter or digit after anything else, not right after a
     special token: a chat template's role name), the latest ``MAX_CANDIDATES``; each as written and, where
@@ -125,28 +137,32 @@ def build_prompt_words(prompt: Sequence[int], texts: Sequence[str], special: str
     offs = np.cumsum([0] + [len(p) for p in pieces])
     text = "".join(pieces)
     low = fold(text)
-    sp_pos = np.array([i for i, c in enumerate(text) if c == special], dtype=np.int64)
+    sp_pos = np.array([m.start() for m in re.finditer(re.escape(special), text)], dtype=np.int64)
     # a system message's words are not the shopper's: its role name is the word right after a special token
     system = [(int(p), int(sp_pos[n + 1]) if n + 1 < len(sp_pos) else len(text)) for n, p in enumerate(sp_pos)
               if low.startswith("system", p + 1) and not low[p + 7:p + 8].isalnum()]
-    starts = [i for i in range(len(text)) if text[i].isalnum() and (i == 0 or not (text[i - 1].isalnum()
-                                                                             or text[i - 1] == special))
-              and not any(a < i < b for a, b in system)]
+    # a letter or digit after anything else (``str.isalnum`` is ``\w`` without "_"), not right after a special token
+    starts = np.array([m.start() for m in _word_start(special).finditer(text)], dtype=np.int64)
+    for a, b in system:
+        starts = starts[(starts <= a) | (starts >= b)]
     starts = starts[-MAX_CANDIDATES:]
     seg_of = np.searchsorted(sp_pos, starts)  # the segment (between special tokens) each start is in
+    # per start: its token, where its segment's starts begin and how many it has (seg_of is sorted)
+    tis = (np.searchsorted(offs, starts, side="right") - 1).tolist()
+    seg_first = np.searchsorted(seg_of, seg_of, side="left").tolist()
+    seg_count = (np.searchsorted(seg_of, seg_of, side="right") - np.asarray(seg_first, dtype=np.int64)).tolist()
+    afters = (len(sp_pos) - seg_of).tolist()
+    starts = starts.tolist()
     rows, flags, st_out, lowered, words, prevs = [], [], [], [], [], []
     prev_word = ""
     for n, i in enumerate(starts):
-        e = i
-        while e < len(text) and text[e].isalnum():
-            e += 1
+        e = _ALNUM_RUN.match(text, i).end()
         word, fw = text[i:e], low[i:e]
-        ti = int(np.searchsorted(offs, i, side="right")) - 1
+        ti = tis[n]
         toks = [prompt[ti], prompt[ti - 1] if ti >= 1 else -1, prompt[ti - 2] if ti >= 2 else -1,
                 prompt[ti + 1] if ti + 1 < P else -1]
-        after = len(sp_pos) - int(seg_of[n])
-        same = np.flatnonzero(seg_of == seg_of[n])
-        k_in, n_seg = n - int(same[0]), len(same)
+        after = afters[n]
+        k_in, n_seg = n - seg_first[n], seg_count[n]
         base = [float(word[:1].isupper()), float(word[:1].isdigit()), 0.0, 0.0, 0.0, 0.0,
                 float(k_in == 0), k_in / max(1, n_seg - 1), min(n_seg - 1 - k_in, 16) / 16]
         onehot = [0.0] * (SPECIALS_AFTER + 1)
