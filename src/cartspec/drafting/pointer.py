@@ -407,7 +407,6 @@ class Scorer:
         w1, b1 = net.cand[0].weight.detach().float().numpy(), net.cand[0].bias.detach().float().numpy()
         cut = d * N_SLOTS
         self.w_tokens = np.ascontiguousarray(w1[:, :cut].T)  # [N_SLOTS * d, h]
-        self.w_tokens_t = torch.from_numpy(self.w_tokens)  # the same, for ``prompt_part``'s product in torch
         self.w_context = np.ascontiguousarray(w1[:, cut:cut + 2 * d].T)  # [2d, h]
         self.w_flags = np.ascontiguousarray(w1[:, cut + 2 * d:].T)  # [F, h]
         self.w_dynamic = np.ascontiguousarray(self.w_flags[_DYNAMIC])  # [3, h]
@@ -427,15 +426,7 @@ class Scorer:
         rows = np.where((tokens >= 0)[..., None], self.table[np.clip(tokens, 0, None)], self.pad)
         static = flags.copy()
         static[:, _DYNAMIC] = 0.0
-        # The tokens' product in torch, not numpy: at this size (n x 128 x 64 for n of up to 192 candidates)
-        # numpy's bundled OpenBLAS runs it on a thread pool of its own, whose threads then spin for about
-        # 0.1 s of CPU (measured here), taking a core from the engine's next forward on a 2-core machine;
-        # torch runs it on the threads the engine's forwards use anyway. The smaller products stay in numpy
-        # (single-threaded there, no spin).
-        with torch.no_grad():
-            tok = (torch.from_numpy(np.ascontiguousarray(rows.reshape(len(tokens), -1), dtype=np.float32))
-                   @ self.w_tokens_t).numpy()
-        return tok + static @ self.w_flags + self.b1
+        return rows.reshape(len(tokens), -1) @ self.w_tokens + static @ self.w_flags + self.b1
 
     def probs(self, part: np.ndarray, dynamic: np.ndarray, key_ids: Sequence[int], quote: int,
               mask: np.ndarray | None = None) -> np.ndarray:
