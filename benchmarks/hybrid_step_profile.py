@@ -10,7 +10,8 @@ the figures are the hybrid's Python and numpy work per step, which runs on the s
 
     .venv/bin/python benchmarks/hybrid_step_profile.py --out runs/hybrid-profile.json [--profile]
 
-``--profile`` adds cProfile's top functions at batch 8. Each batch size's row records a digest of every draft
+``--profile`` adds cProfile's top functions at batch 8 (``PROFILE_SORT=cumulative`` and ``PROFILE_TOP=N`` in the
+environment change the order and the count; by default the 25 with the most time of their own). Each batch size's row records a digest of every draft
 (``drafts_sha256``, of the last pass): a change that should draft the same tokens, run before and after,
 gives the same digest.
 """

@@ -113,7 +113,7 @@ _DYNAMIC = [FLAGS.index(f) for f in ("in_reply", "is_key", "after_key")]
 
 def prompt_words(prompt: Sequence[int], texts: Sequence[str], special: str) -> PromptWords:
     """``build_prompt_words`` of the prompt, kept by its ``drafting.prompt.Prompt`` (computed once per prompt)."""
-    return prompt_of(prompt, len(prompt), prompt if isinstance(prompt, Prompt) else None).words(texts, special)
+    return prompt_of(prompt, len(prompt)).words(texts, special)
 
 
 _ALNUM_RUN = re.compile(r"[^\W_]*")  # letters and digits: ``str.isalnum``'s characters are ``\w``'s but "_"
