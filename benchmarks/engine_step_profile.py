@@ -9,7 +9,9 @@ drafting and verifying times (patch ``step_stats``), and with ``--profile`` cPro
 ``--out`` keeps the step file and the raw profile (``LABEL.pstats``, for ``pstats`` callers/callees).
 ``--timers`` times, over the measured requests, vLLM's drafter (``SpecDecodeBaseProposer.propose``: the
 head's forwards) and cartspec's hybrid drafter (``vllm_plugin.hybrid.hybrid_drafts``: the rules per request,
-and ``recorded_probs``: the gate's probabilities, inside it), ms per call, that is per step.
+and ``recorded_probs``: the gate's probabilities, inside it), ms per call, that is per step, and Python's
+garbage collections by generation (``gc0``, ``gc1``, ``gc2``: count and ms each, wherever they ran: a
+drafter's allocations can set off a collection that the model's step then pays for).
 
     .venv/bin/python benchmarks/engine_step_profile.py eagle3:domain:5:stop --batch 8 --profile
 
@@ -135,6 +137,20 @@ def install_timers() -> dict:
     timed(proposer.SpecDecodeBaseProposer, "propose", "vllm_drafter")
     timed(hybrid, "hybrid_drafts", "hybrid_drafts")  # the runner's wrap calls it by its module-level name
     timed(hybrid, "recorded_probs", "gate_probs")
+
+    import gc
+
+    started = [0.0]
+
+    def collections(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            row = timers[f"gc{info['generation']}"]
+            row[0] += 1
+            row[1] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(collections)
     return timers
 
 

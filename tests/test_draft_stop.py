@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import types
 
@@ -208,21 +209,30 @@ def test_step_stats_time_drafting_and_verifying_by_batch_size(monkeypatch, tmp_p
     assert [steps.bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 32, 33, 64)] == [
         "1", "2", "3-4", "3-4", "5-8", "5-8", "9-16", "17-32", "33+", "33+"]
     mod = _stand_in({KEY: {"p": 0.5, "full_batch": 2}}, [[0.9, 0.9, 0.9], [0.3, 0.9, 0.9]])
+    forward = mod.GPUModelRunner.execute_model
+
+    def collecting(self, *args, **kwargs):
+        gc.collect()  # a collection that an allocation of the step's forward set off
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(mod.GPUModelRunner, "execute_model", collecting)
     draft_stop.apply(mod)
     steps.apply(mod)
     runner = mod.GPUModelRunner()
     before = steps.read(path)
     assert before == {}
     sched = types.SimpleNamespace(total_num_scheduled_tokens=8, num_scheduled_tokens={"a": 4, "b": 4})
+    gc.collect()  # one between steps: not the step's
     for _ in range(3):  # one engine step: the target's forward, then sampling with the next draft
         runner.execute_model(sched)
         runner.sample_tokens(None)
     by = steps.read(path)
     assert set(by) == {"2"} and by["2"]["steps"] == 3 and by["2"]["requests"] == 6 and by["2"]["tokens"] == 24
     assert by["2"]["drafted"] == 18 and by["2"]["kept"] == 9
-    assert by["2"]["draft_s"] > 0 and by["2"]["verify_s"] >= 0
+    assert by["2"]["draft_s"] > 0 and by["2"]["verify_s"] >= 0 and by["2"]["gc_s"] > 0
     s = steps.summary(steps.difference(by, before))
     assert s["steps"] == 3 and s["requests"] == 2 and s["kept_share"] == 0.5 and s["draft_ms"] > 0
+    assert 0 < s["gc_ms"] <= s["draft_ms"] + s["verify_ms"]
     # a point's own steps: the difference of two reads; a restarted server's counters start again
     runner.execute_model(sched)
     runner.sample_tokens(None)

@@ -129,6 +129,9 @@ class EngineSteps:
                 "verify_s": CounterMetricFamily(p + "verify_seconds", "Engine time spent on the rest of each step "
                                                 "(the target's forward over the drafts, sampling, verification), "
                                                 "by batch size", labels=["target", "batch"]),
+                "gc_s": CounterMetricFamily(p + "gc_seconds", "Engine time spent in Python's garbage collector "
+                                            "(part of the drafting and verifying seconds), by batch size",
+                                            labels=["target", "batch"]),
                 "tokens": CounterMetricFamily(p + "step_tokens", "Tokens the target ran in those steps, by batch "
                                               "size", labels=["target", "batch"])}
         for target, path in self.files.items():

@@ -8,6 +8,8 @@ cartspec drafter: hybrid, schema, draft length), and counts per step:
 
 * ``draft_s``: ``propose_draft_token_ids``;
 * ``verify_s``: the rest of the step (the target's forward, sampling and verification, bookkeeping);
+* ``gc_s``: of the step's time, Python's garbage collections in this process (a collection runs wherever an
+  allocation sets it off, so a drafter's objects can make the verify phase pay for it);
 * the requests in the batch and the tokens the target ran, and the tokens drafted and kept where a
   draft is cut per request (``draft_stop``).
 
@@ -20,6 +22,7 @@ records its own steps (the difference of two reads). Without the variable nothin
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import time
@@ -33,7 +36,7 @@ ENV = "CARTSPEC_STEP_STATS"
 EVERY_S = 0.2
 # batch-size buckets (requests in the step): their upper bounds; the last takes the rest
 BUCKETS = (1, 2, 4, 8, 16, 32)
-FIELDS = ("steps", "draft_s", "verify_s", "requests", "tokens", "drafted", "kept")
+FIELDS = ("steps", "draft_s", "verify_s", "gc_s", "requests", "tokens", "drafted", "kept")
 
 
 def bucket_of(n: int) -> str:
@@ -68,6 +71,7 @@ class Stats:
         draft = p.get("draft_s", 0.0)
         row["draft_s"] += draft
         row["verify_s"] += max(p.get("step_s", 0.0) - draft, 0.0)
+        row["gc_s"] += p.get("gc_s", 0.0)
         row["drafted"] += p.get("drafted", 0.0)
         row["kept"] += p.get("kept", 0.0)
         now = time.monotonic()
@@ -82,6 +86,25 @@ class Stats:
             os.replace(tmp, self.path)
         except OSError:
             pass  # a full disk must not stop the engine; the stats are then stale
+
+
+class Collections:
+    """Seconds this process has spent in Python's garbage collector (a ``gc.callbacks`` hook, installed with
+    the patch); the step's wraps take the difference over their calls."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.started = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif self.started:
+            self.seconds += time.perf_counter() - self.started
+            self.started = 0.0
+
+
+_collections = Collections()
 
 
 def stats(runner) -> Stats:
@@ -105,23 +128,25 @@ def apply(mod) -> None:
 
     @functools.wraps(execute)
     def execute_model(self, scheduler_output, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0, g0 = time.perf_counter(), _collections.seconds
         try:
             return execute(self, scheduler_output, *args, **kwargs)
         finally:
             st = stats(self)
             st.add("step_s", time.perf_counter() - t0)
+            st.add("gc_s", _collections.seconds - g0)
             st.pending["_tokens"] = getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0
             st.pending["_requests"] = len(getattr(scheduler_output, "num_scheduled_tokens", None) or {})
 
     @functools.wraps(sample)
     def sample_tokens(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0, g0 = time.perf_counter(), _collections.seconds
         try:
             return sample(self, *args, **kwargs)
         finally:
             st = stats(self)
             st.add("step_s", time.perf_counter() - t0)
+            st.add("gc_s", _collections.seconds - g0)
             requests, tokens = int(st.pending.pop("_requests", 0)), int(st.pending.pop("_tokens", 0))
             if requests:
                 st.close_step(requests, tokens)
@@ -138,6 +163,8 @@ def apply(mod) -> None:
 
     runner_cls.execute_model = execute_model
     runner_cls.sample_tokens = sample_tokens
+    if _collections not in gc.callbacks:
+        gc.callbacks.append(_collections)
     runner_cls.propose_draft_token_ids = propose_draft_token_ids
 
 
@@ -169,14 +196,16 @@ def difference(after: dict, before: dict) -> dict[str, dict[str, float]]:
 
 
 def summary(by: dict[str, dict[str, float]]) -> dict[str, Any] | None:
-    """Per-step means over ``by`` (all buckets pooled): steps, draft_ms, verify_ms, requests (mean batch),
-    and kept_share (kept / drafted tokens, where drafts were cut per request); None without steps."""
+    """Per-step means over ``by`` (all buckets pooled): steps, draft_ms, verify_ms, gc_ms (of those two, the
+    garbage collector's), requests (mean batch), and kept_share (kept / drafted tokens, where drafts were
+    cut per request); None without steps."""
     tot = {f: sum(row.get(f, 0.0) for row in by.values()) for f in FIELDS}
     n = tot["steps"]
     if not n:
         return None
     out = {"steps": int(n), "draft_ms": round(1000 * tot["draft_s"] / n, 3),
-           "verify_ms": round(1000 * tot["verify_s"] / n, 3), "requests": round(tot["requests"] / n, 2)}
+           "verify_ms": round(1000 * tot["verify_s"] / n, 3), "gc_ms": round(1000 * tot["gc_s"] / n, 3),
+           "requests": round(tot["requests"] / n, 2)}
     if tot["drafted"]:
         out["kept_share"] = round(tot["kept"] / tot["drafted"], 4)
     return out
