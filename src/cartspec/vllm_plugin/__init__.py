@@ -14,8 +14,6 @@ The patches (``PATCHES``), in the order they are applied (and wrap one another):
   drafts.
 * ``cpu_generators`` (``cpu_generators.py``): seeded sampled requests on CPU rewind their generator without
   the offsets CPU generators lack (the engine died of it).
-* ``worker_gc`` (``worker_gc.py``): the CPU worker freezes its startup heap after warm-up, as vLLM's GPU
-  worker and engine core do, so that garbage collections during serving do not walk the model.
 * ``draft_vocab`` (``draft_vocab.py``, the innermost wrap of the drafting): an EAGLE-3 head's greedy draft
   tokens from its draft-vocabulary logits (vLLM's token, without spreading the logits over the target's
   vocabulary), and the head's probability of each where the hybrid's gate or the draft length asks.
@@ -72,10 +70,10 @@ def runner_setting(runner, key: str, parse: Callable[[Any], Any], say: Callable[
 def patches() -> tuple:
     """Every patch, in the order they are applied."""
     from . import (cpu_expand, cpu_generators, draft_stop, draft_vocab, hybrid, idle_drafter, recovered_noise,
-                   schema, steps, worker_gc)
+                   schema, steps)
 
-    return (cpu_expand.PATCH, recovered_noise.PATCH, cpu_generators.PATCH, worker_gc.PATCH, draft_vocab.PATCH,
-            hybrid.PATCH, schema.PATCH, draft_stop.PATCH, idle_drafter.PATCH, steps.PATCH)
+    return (cpu_expand.PATCH, recovered_noise.PATCH, cpu_generators.PATCH, draft_vocab.PATCH, hybrid.PATCH,
+            schema.PATCH, draft_stop.PATCH, idle_drafter.PATCH, steps.PATCH)
 
 
 def register() -> None:
