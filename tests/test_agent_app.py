@@ -406,7 +406,7 @@ def test_the_engines_step_times_reach_metrics_and_the_trace(upstream, tmp_path, 
 
     def engine_at(n: int) -> None:
         row = {"steps": n, "draft_s": 0.01 * n, "verify_s": 0.05 * n, "gc_s": 0.002 * n, "requests": n, "tokens": 4 * n,
-               "drafted": 3 * n, "kept": 2 * n}
+               "prompt_tokens": n, "drafted": 3 * n, "kept": 2 * n}
         path.write_text(json.dumps({"pid": 1, "by_batch": {"1": row}}))
 
     engine_at(10)
@@ -426,6 +426,7 @@ def test_the_engines_step_times_reach_metrics_and_the_trace(upstream, tmp_path, 
     assert re.search(r'cartspec_agent_engine_draft_seconds_total\{batch="1",target="speculative"\} 0\.14', m)
     assert re.search(r'cartspec_agent_engine_verify_seconds_total\{batch="1",target="speculative"\} 0\.7', m)
     assert re.search(r'cartspec_agent_engine_gc_seconds_total\{batch="1",target="speculative"\} 0\.028', m)
+    assert 'cartspec_agent_engine_step_prompt_tokens_total{batch="1",target="speculative"} 14.0' in m, m
     engine = read_trace(tmp_path / "trace.jsonl")[-1]["engine"]
     assert engine == {"steps": 4, "draft_ms": 10.0, "verify_ms": 50.0, "gc_ms": 2.0, "requests": 1.0,
-                      "kept_share": 0.6667}
+                      "prefill_share": 0.25, "kept_share": 0.6667}

@@ -202,6 +202,30 @@ def test_the_threshold_follows_the_batch():
     assert ramp == sorted(ramp) and threshold_at(0.5, 1, full_batch=1) == 0.5
 
 
+def _scheduled(tokens: dict[str, int], new: tuple[str, ...] = (), outputs: dict[str, int] | None = None,
+               resumed: frozenset = frozenset()):
+    """A stand-in for vLLM's ``SchedulerOutput``: ``tokens`` per request; ``new`` requests' first chunk; the
+    others running, with ``outputs`` tokens generated so far (1 unless given)."""
+    cached = [r for r in tokens if r not in new]
+    outputs = outputs or {}
+    return types.SimpleNamespace(
+        total_num_scheduled_tokens=sum(tokens.values()), num_scheduled_tokens=dict(tokens),
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=r) for r in new],
+        scheduled_cached_reqs=types.SimpleNamespace(req_ids=cached, resumed_req_ids=set(resumed),
+                                                    num_output_tokens=[outputs.get(r, 1) for r in cached]))
+
+
+def test_the_prompts_share_of_a_steps_tokens():
+    # a new prompt's first chunk, a prompt's second chunk (no output yet), a preempted request computed
+    # again, and a request verifying its last token and 3 drafts: 48 + 32 + 20 of the 104 tokens are prefill
+    sched = _scheduled({"new": 48, "chunked": 32, "resumed": 20, "decoding": 4}, new=("new",),
+                       outputs={"chunked": 0, "resumed": 7, "decoding": 12}, resumed=frozenset({"resumed"}))
+    assert steps.prompt_tokens(sched) == 100
+    assert steps.prompt_tokens(_scheduled({"a": 4, "b": 1})) == 0
+    by = {"1": {"steps": 2, "tokens": 104, "prompt_tokens": 100}, "2": {"steps": 2, "tokens": 96, "prompt_tokens": 0}}
+    assert steps.summary(by)["prefill_share"] == 0.5
+
+
 def test_step_stats_time_drafting_and_verifying_by_batch_size(monkeypatch, tmp_path):
     path = tmp_path / "steps.json"
     monkeypatch.setenv(steps.ENV, str(path))
@@ -221,13 +245,14 @@ def test_step_stats_time_drafting_and_verifying_by_batch_size(monkeypatch, tmp_p
     runner = mod.GPUModelRunner()
     before = steps.read(path)
     assert before == {}
-    sched = types.SimpleNamespace(total_num_scheduled_tokens=8, num_scheduled_tokens={"a": 4, "b": 4})
+    sched = _scheduled({"a": 4, "b": 4})
     gc.collect()  # one between steps: not the step's
     for _ in range(3):  # one engine step: the target's forward, then sampling with the next draft
         runner.execute_model(sched)
         runner.sample_tokens(None)
     by = steps.read(path)
     assert set(by) == {"2"} and by["2"]["steps"] == 3 and by["2"]["requests"] == 6 and by["2"]["tokens"] == 24
+    assert by["2"]["prompt_tokens"] == 0  # both requests decoding
     assert by["2"]["drafted"] == 18 and by["2"]["kept"] == 9
     assert by["2"]["draft_s"] > 0 and by["2"]["verify_s"] >= 0 and by["2"]["gc_s"] > 0
     s = steps.summary(steps.difference(by, before))
@@ -296,6 +321,7 @@ def test_in_vllm_drafts_are_cut_per_request_replies_stay_the_targets_and_steps_a
     assert total["draft_ms"] > 0 and total["verify_ms"] > 0
     plain = steps.summary(by0)
     assert plain["draft_ms"] < total["draft_ms"] and "kept_share" not in plain
+    assert 0 < plain["prefill_share"] < 1 and 0 < total["prefill_share"] < 1  # read from vLLM's scheduler output
     # the hybrid (the prompt's n-gram copies over the head's draft) cut the same way: the two patches stack
     from cartspec.drafting.config import HybridConfig
 

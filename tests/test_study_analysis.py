@@ -363,3 +363,42 @@ def test_a_tagged_deployment_is_compared_with_the_baseline_of_its_own_tag():
     lone = _sliced("eagle3-domain-g3@other", "eagle3", 3, [300.0, 300.0], beside=both)
     assert {r.deployment: r.speedup_vs_baseline for r in study_rows([*pts, lone])}[
         "eagle3-domain-g3@other"] == pytest.approx(3.0)
+
+
+def test_the_report_shows_where_a_steps_time_goes_and_the_prompts_share():
+    """A point's engine steps (``engine_steps``, the plugin's counters) give its row drafting and verifying ms
+    a step and the prompts' share of the target's tokens; the report's step table and the verdict show them.
+    Points without counters (older runs) leave all three out of the summary."""
+    from cartspec.analysis.rows import study_rows
+    from cartspec.report.prose import verdict
+
+    base = _sliced("baseline", "none", None, [100.0, 100.0])
+    head = _sliced("eagle3-domain-g3", "eagle3", 3, [150.0, 150.0])
+    head = head.model_copy(update={"engine_steps": {
+        "3-4": {"steps": 10, "draft_s": 0.1, "verify_s": 0.5, "gc_s": 0.0, "requests": 40, "tokens": 200,
+                "prompt_tokens": 50, "drafted": 0, "kept": 0}}})
+    rows = study_rows([base, head])
+    b, h = sorted(rows, key=lambda r: r.speculative)
+    assert (h.draft_ms, h.verify_ms, h.prefill_share) == (10.0, 50.0, 0.25)
+    assert b.verify_ms is None and "prefill_share" not in b.model_dump() and "prefill_share" in h.model_dump()
+    assert "the prompts' prefill, which speculation does not shorten, was 25% of the tokens its target ran at c4" \
+        in verdict(rows, [], 2.0)
+
+
+def test_a_runs_report_gains_the_step_table_where_its_points_have_step_counts(tmp_path):
+    from cartspec.report.build import build_report
+
+    lines = (DATA / "results.jsonl").read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if '"method": "eagle3"' in line or '"method":"eagle3"' in line)
+    point = json.loads(lines[i])
+    point["engine_steps"] = {"1": {"steps": 4, "draft_s": 0.02, "verify_s": 0.1, "gc_s": 0.0, "requests": 4,
+                                   "tokens": 16, "prompt_tokens": 4, "drafted": 0, "kept": 0}}
+    lines[i] = json.dumps(point)
+    (tmp_path / "results.jsonl").write_text("\n".join(lines) + "\n")
+    for name in ("run.json", "quality.json"):
+        shutil.copy(DATA / name, tmp_path / name)
+    rep = build_report(tmp_path)
+    page = rep.html.read_text()
+    assert "Where an engine step's time goes" in page and "<td>25.0%</td>" in page
+    row = next(r for r in json.loads(rep.summary.read_text())["points"] if r.get("verify_ms") is not None)
+    assert (row["draft_ms"], row["verify_ms"], row["prefill_share"]) == (5.0, 25.0, 0.25)

@@ -133,7 +133,10 @@ class EngineSteps:
                                             "(part of the drafting and verifying seconds), by batch size",
                                             labels=["target", "batch"]),
                 "tokens": CounterMetricFamily(p + "step_tokens", "Tokens the target ran in those steps, by batch "
-                                              "size", labels=["target", "batch"])}
+                                              "size", labels=["target", "batch"]),
+                "prompt_tokens": CounterMetricFamily(p + "step_prompt_tokens", "Of those tokens, the prompts' "
+                                                     "prefill (work that speculation does not shorten), by batch "
+                                                     "size", labels=["target", "batch"])}
         for target, path in self.files.items():
             for bucket, row in steps.read(path).items():
                 for field, fam in fams.items():

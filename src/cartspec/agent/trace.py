@@ -50,7 +50,8 @@ class SpecTrace(BaseModel):
 class EngineTrace(BaseModel):
     """The engine's steps while the answering call ran (cartspec's vLLM plugin, ``vllm_plugin.steps``): how
     many, and per step the time spent drafting and on the rest (the target's verify forward, sampling), of
-    those the time in Python's garbage collector, the mean batch, and the share of drafted tokens kept
+    those the time in Python's garbage collector, the mean batch, the prompts' share of the tokens the target
+    ran, and the share of drafted tokens kept
     where drafts are cut per request. Steps are shared by the requests in flight together; the engine
     writes its counters every 0.2 s, so a call shorter than that may see none."""
 
@@ -59,6 +60,7 @@ class EngineTrace(BaseModel):
     verify_ms: float | None = None
     gc_ms: float | None = None  # of draft_ms + verify_ms, the engine worker's garbage collections
     requests: float | None = None
+    prefill_share: float | None = None  # of the tokens the target ran, the prompts' prefill
     kept_share: float | None = None
 
     @classmethod

@@ -73,6 +73,12 @@ class StudyRow(BaseModel):
     exact_match: float | None = None
     agreement_vs_baseline: float | None = None
     key: str = ""
+    draft_ms: float | None = Field(None, description="the engine's drafting per step (ms), over the point's steps")
+    verify_ms: float | None = Field(None, description="the rest of an engine step (ms): the target's forward, "
+                                    "sampling and verification")
+    prefill_share: float | None = Field(None, description="of the tokens the target ran, the prompts' prefill: "
+                                        "work that speculation does not shorten")
+    _without_unknown_steps = omit_when_none("draft_ms", "verify_ms", "prefill_share")  # points without step counts
 
     @property
     def ok(self) -> bool:

@@ -6,6 +6,7 @@ import math
 from typing import Sequence
 
 from ..results import PointResult, baseline_for, baselines, matched_records
+from ..vllm_plugin.steps import summary as step_summary
 from .models import QualityTest, StudyRow
 from .specs import measured_spec
 
@@ -52,6 +53,14 @@ def pooled_ratio_ci(pairs: Sequence[tuple[PointResult, PointResult]]) -> tuple[f
     return math.exp(mean - half), math.exp(mean + half)
 
 
+def _step_figures(r: PointResult) -> dict:
+    """The point's engine steps (patch ``step_stats``): drafting and verifying ms a step, the prompts' share."""
+    s = step_summary(r.engine_steps or {}) if r.status == "ok" else None
+    if not s:
+        return {}
+    return {"draft_ms": s["draft_ms"], "verify_ms": s["verify_ms"], "prefill_share": s.get("prefill_share")}
+
+
 def study_rows(results: list[PointResult]) -> list[StudyRow]:
     """One row per point, with the speedup over the baseline at the same load and temperature."""
     base = baselines(results)
@@ -79,7 +88,8 @@ def study_rows(results: list[PointResult]) -> list[StudyRow]:
             acceptance_per_position=r.acceptance.per_position_rate if r.acceptance else None,
             speedup_vs_baseline=speedup, e2el_p50_ratio_vs_baseline=lat,
             speedup_ci95=slice_ratio_ci(r, b) if speedup is not None and c.method != "none" else None,
-            json_valid=r.json_valid, exact_match=r.exact_match, agreement_vs_baseline=agree, key=r.key))
+            json_valid=r.json_valid, exact_match=r.exact_match, agreement_vs_baseline=agree, key=r.key,
+            **_step_figures(r)))
     return rows
 
 

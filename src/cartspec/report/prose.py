@@ -187,6 +187,12 @@ def verdict(rows: list[StudyRow], caps: list[CapacityRow], slo: float, tests: li
             s += f"; it pays at {', '.join(load(p) for p in wins)} and loses at the other loads"
         else:
             s += "; faster at every load measured"
+        shares = [p for p in pts if p.prefill_share is not None]
+        if shares:  # what a better draft cannot shorten, at the lightest and the heaviest load
+            lo, hi = shares[0], shares[-1]
+            s += (f"; the prompts' prefill, which speculation does not shorten, was {lo.prefill_share:.0%} of the "
+                  f"tokens its target ran at {load(lo)}"
+                  + (f" and {hi.prefill_share:.0%} at {load(hi)}" if hi is not lo else ""))
         others = [d for d in by_dep if d != best]
         if others:
             s += " (others: " + "; ".join(f"{d} ×{geo(by_dep[d]):.2f}" for d in others) + ")"

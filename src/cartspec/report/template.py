@@ -85,7 +85,19 @@ of replies identical to the baseline's for the same request.</p>
 <td>{{ pct(r.json_valid) }}</td><td>{{ pct(r.exact_match) }}</td><td>{{ pct(r.agreement_vs_baseline) }}</td></tr>
 {% endif %}{% endfor %}</table>
 
-{% set failed = rows|selectattr("status", "equalto", "failed")|list %}
+{% set stepped = rows|selectattr("verify_ms")|list %}{% if stepped %}<h2>Where an engine step's time goes</h2>
+<p class="muted">Per engine step, from cartspec's counters inside vLLM: drafting (the head's forwards and cartspec's
+drafters) and the rest (the target's forward over the drafts, sampling, verification), in ms. Prefill: of the tokens
+the target ran, the prompts' share. Speculation shortens decoding, not prefill, so the higher that share, the less
+a better draft can speed up the point.</p>
+<table id="steps"><tr><th class="l">deployment</th><th>load</th><th>T</th><th class="l">set</th><th>drafting ms</th>
+<th>rest ms</th><th>prefill</th></tr>
+{% for r in stepped %}<tr><td class="l">{{ r.deployment }}</td>
+<td>{{ r.concurrency if r.mode == "closed" else r.rate ~ "/s" }}</td><td>{{ r.temperature }}</td><td class="l">{{ r.request_set }}</td>
+<td>{{ num(r.draft_ms, 1) }}</td><td>{{ num(r.verify_ms, 1) }}</td><td>{{ pct(r.prefill_share) }}</td></tr>
+{% endfor %}</table>
+
+{% endif %}{% set failed = rows|selectattr("status", "equalto", "failed")|list %}
 {% if failed %}<h2 class="failed">Failed points</h2>
 <table id="failed"><tr><th class="l">deployment</th><th>load</th><th>T</th><th class="l">reason</th></tr>
 {% for r in failed %}<tr><td class="l">{{ r.deployment }}</td><td>{{ r.concurrency or r.rate }}</td><td>{{ r.temperature }}</td>

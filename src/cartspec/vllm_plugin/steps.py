@@ -10,8 +10,9 @@ cartspec drafter: hybrid, schema, draft length), and counts per step:
 * ``verify_s``: the rest of the step (the target's forward, sampling and verification, bookkeeping);
 * ``gc_s``: of the step's time, Python's garbage collections in this process (a collection runs wherever an
   allocation sets it off, so a drafter's objects can make the verify phase pay for it);
-* the requests in the batch and the tokens the target ran, and the tokens drafted and kept where a
-  draft is cut per request (``draft_stop``).
+* the requests in the batch and the tokens the target ran, and of those the prompts'
+  prefill (``prompt_tokens``), work that speculation does not shorten;
+* the tokens drafted and kept where a draft is cut per request (``draft_stop``).
 
 Counts are kept per batch-size bucket (``BUCKETS``) and written, at most every ``EVERY_S`` seconds and
 atomically, as JSON to the file named by ``CARTSPEC_STEP_STATS`` (``VllmServer`` names one beside its
@@ -32,11 +33,12 @@ from typing import Any
 from .registry import Patch, Target
 
 MODULE = "vllm.v1.worker.gpu_model_runner"
+SCHED = "vllm.v1.core.sched.output"
 ENV = "CARTSPEC_STEP_STATS"
 EVERY_S = 0.2
 # batch-size buckets (requests in the step): their upper bounds; the last takes the rest
 BUCKETS = (1, 2, 4, 8, 16, 32)
-FIELDS = ("steps", "draft_s", "verify_s", "gc_s", "requests", "tokens", "drafted", "kept")
+FIELDS = ("steps", "draft_s", "verify_s", "gc_s", "requests", "tokens", "prompt_tokens", "drafted", "kept")
 
 
 def bucket_of(n: int) -> str:
@@ -62,12 +64,13 @@ class Stats:
     def add(self, field: str, value: float) -> None:
         self.pending[field] = self.pending.get(field, 0.0) + value
 
-    def close_step(self, requests: int, tokens: int) -> None:
+    def close_step(self, requests: int, tokens: int, prompt: int = 0) -> None:
         p, self.pending = self.pending, {}
         row = self.by.setdefault(bucket_of(requests), dict.fromkeys(FIELDS, 0.0))
         row["steps"] += 1
         row["requests"] += requests
         row["tokens"] += tokens
+        row["prompt_tokens"] = row.get("prompt_tokens", 0.0) + prompt
         draft = p.get("draft_s", 0.0)
         row["draft_s"] += draft
         row["verify_s"] += max(p.get("step_s", 0.0) - draft, 0.0)
@@ -115,6 +118,20 @@ def stats(runner) -> Stats:
     return st
 
 
+def prompt_tokens(scheduler_output) -> int:
+    """Of the tokens a step runs, the prompts' prefill: a new request's first chunk, the later chunks of a
+    prompt still being prefilled (no output token yet), and a preempted request computed again. The rest
+    are decoding: each running request's last token and its drafts."""
+    n = scheduler_output.num_scheduled_tokens
+    total = sum(n.get(r.req_id, 0) for r in scheduler_output.scheduled_new_reqs)
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = cached.resumed_req_ids
+    for rid, outputs in zip(cached.req_ids, cached.num_output_tokens):
+        if outputs == 0 or rid in resumed:
+            total += n.get(rid, 0)
+    return total
+
+
 def count_drafts(runner, drafted: int, kept: int) -> None:
     """The draft length patch's counts for the current step."""
     st = stats(runner)
@@ -135,8 +152,9 @@ def apply(mod) -> None:
             st = stats(self)
             st.add("step_s", time.perf_counter() - t0)
             st.add("gc_s", _collections.seconds - g0)
-            st.pending["_tokens"] = getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0
-            st.pending["_requests"] = len(getattr(scheduler_output, "num_scheduled_tokens", None) or {})
+            st.pending["_tokens"] = scheduler_output.total_num_scheduled_tokens
+            st.pending["_requests"] = len(scheduler_output.num_scheduled_tokens)
+            st.pending["_prompt"] = prompt_tokens(scheduler_output)
 
     @functools.wraps(sample)
     def sample_tokens(self, *args, **kwargs):
@@ -148,8 +166,9 @@ def apply(mod) -> None:
             st.add("step_s", time.perf_counter() - t0)
             st.add("gc_s", _collections.seconds - g0)
             requests, tokens = int(st.pending.pop("_requests", 0)), int(st.pending.pop("_tokens", 0))
+            prompt = int(st.pending.pop("_prompt", 0))
             if requests:
-                st.close_step(requests, tokens)
+                st.close_step(requests, tokens, prompt)
             else:
                 st.pending.clear()
 
@@ -197,8 +216,9 @@ def difference(after: dict, before: dict) -> dict[str, dict[str, float]]:
 
 def summary(by: dict[str, dict[str, float]]) -> dict[str, Any] | None:
     """Per-step means over ``by`` (all buckets pooled): steps, draft_ms, verify_ms, gc_ms (of those two, the
-    garbage collector's), requests (mean batch), and kept_share (kept / drafted tokens, where drafts were
-    cut per request); None without steps."""
+    garbage collector's), requests (mean batch), prefill_share (the prompts' share of the tokens the target
+    ran: work that speculation does not shorten) and kept_share (kept / drafted tokens, where drafts were cut
+    per request); None without steps."""
     tot = {f: sum(row.get(f, 0.0) for row in by.values()) for f in FIELDS}
     n = tot["steps"]
     if not n:
@@ -206,6 +226,8 @@ def summary(by: dict[str, dict[str, float]]) -> dict[str, Any] | None:
     out = {"steps": int(n), "draft_ms": round(1000 * tot["draft_s"] / n, 3),
            "verify_ms": round(1000 * tot["verify_s"] / n, 3), "gc_ms": round(1000 * tot["gc_s"] / n, 3),
            "requests": round(tot["requests"] / n, 2)}
+    if tot["tokens"]:
+        out["prefill_share"] = round(tot["prompt_tokens"] / tot["tokens"], 4)
     if tot["drafted"]:
         out["kept_share"] = round(tot["kept"] / tot["drafted"], 4)
     return out
@@ -216,5 +238,12 @@ PATCH = Patch(
     what="times each engine step's drafting and verifying, by batch size, for /metrics, traces and studies",
     targets=(Target(MODULE, "GPUModelRunner.execute_model", ("self", "scheduler_output")),
              Target(MODULE, "GPUModelRunner.sample_tokens", ("self", "grammar_output")),
-             Target(MODULE, "GPUModelRunner.propose_draft_token_ids", ("self", "scheduler_output"))),
+             Target(MODULE, "GPUModelRunner.propose_draft_token_ids", ("self", "scheduler_output")),
+             # the scheduler's output, read for the prompts' share (``prompt_tokens``)
+             Target(SCHED, "SchedulerOutput.__init__", ("self", "scheduled_new_reqs", "scheduled_cached_reqs",
+                                                        "num_scheduled_tokens", "total_num_scheduled_tokens")),
+             Target(SCHED, "NewRequestData.__init__", ("self", "req_id")),
+             Target(SCHED, "CachedRequestData.__init__", ("self", "req_ids", "resumed_req_ids", "new_token_ids",
+                                                          "all_token_ids", "new_block_ids", "num_computed_tokens",
+                                                          "num_output_tokens"))),
     apply=apply, needed=needed)
