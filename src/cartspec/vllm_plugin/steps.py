@@ -10,8 +10,8 @@ cartspec drafter: hybrid, schema, draft length), and counts per step:
 * ``verify_s``: the rest of the step (the target's forward, sampling and verification, bookkeeping);
 * ``gc_s``: of the step's time, Python's garbage collections in this process (a collection runs wherever an
   allocation sets it off, so a drafter's objects can make the verify phase pay for it);
-* the requests in the batch and the tokens the target ran, and of those the prompts'
-  prefill (``prompt_tokens``), work that speculation does not shorten;
+* the requests in the batch and the tokens the target ran, and of those the prompts' prefill
+  (``prompt_tokens``), work that speculation does not shorten;
 * the tokens drafted and kept where a draft is cut per request (``draft_stop``).
 
 Counts are kept per batch-size bucket (``BUCKETS``) and written, at most every ``EVERY_S`` seconds and
@@ -64,13 +64,13 @@ class Stats:
     def add(self, field: str, value: float) -> None:
         self.pending[field] = self.pending.get(field, 0.0) + value
 
-    def close_step(self, requests: int, tokens: int, prompt: int = 0) -> None:
+    def close_step(self, requests: int, tokens: int, prompt: int) -> None:
         p, self.pending = self.pending, {}
         row = self.by.setdefault(bucket_of(requests), dict.fromkeys(FIELDS, 0.0))
         row["steps"] += 1
         row["requests"] += requests
         row["tokens"] += tokens
-        row["prompt_tokens"] = row.get("prompt_tokens", 0.0) + prompt
+        row["prompt_tokens"] += prompt
         draft = p.get("draft_s", 0.0)
         row["draft_s"] += draft
         row["verify_s"] += max(p.get("step_s", 0.0) - draft, 0.0)
