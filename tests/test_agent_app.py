@@ -406,7 +406,7 @@ def test_the_engines_step_times_reach_metrics_and_the_trace(upstream, tmp_path, 
 
     def engine_at(n: int) -> None:
         row = {"steps": n, "draft_s": 0.01 * n, "verify_s": 0.05 * n, "gc_s": 0.002 * n, "requests": n, "tokens": 4 * n,
-               "prompt_tokens": n, "drafted": 3 * n, "kept": 2 * n}
+               "prompt_tokens": n, "drafted": 3 * n, "kept": 2 * n, "decode_steps": n // 2, "decode_s": 0.03 * n}
         path.write_text(json.dumps({"pid": 1, "by_batch": {"1": row}}))
 
     engine_at(10)
@@ -427,6 +427,8 @@ def test_the_engines_step_times_reach_metrics_and_the_trace(upstream, tmp_path, 
     assert re.search(r'cartspec_agent_engine_verify_seconds_total\{batch="1",target="speculative"\} 0\.7', m)
     assert re.search(r'cartspec_agent_engine_gc_seconds_total\{batch="1",target="speculative"\} 0\.028', m)
     assert 'cartspec_agent_engine_step_prompt_tokens_total{batch="1",target="speculative"} 14.0' in m, m
+    assert 'cartspec_agent_engine_decode_steps_total{batch="1",target="speculative"} 7.0' in m, m
+    assert re.search(r'cartspec_agent_engine_decode_seconds_total\{batch="1",target="speculative"\} 0\.42', m)
     engine = read_trace(tmp_path / "trace.jsonl")[-1]["engine"]
     assert engine == {"steps": 4, "draft_ms": 10.0, "verify_ms": 50.0, "gc_ms": 2.0, "requests": 1.0,
-                      "prefill_share": 0.25, "kept_share": 0.6667}
+                      "prefill_share": 0.25, "decode_ms": 60.0, "prefill_time_share": 0.5, "kept_share": 0.6667}

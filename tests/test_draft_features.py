@@ -4,6 +4,7 @@ and extraction writes resumable shards."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -124,3 +125,37 @@ def AutoModel(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def test_the_generators_progress_is_a_json_line_at_most_every_interval_and_at_the_end(monkeypatch, capsys):
+    """vLLM's offline progress bar becomes lines the caller relays: none before the interval, one at the end."""
+    from cartspec.draft import vllm_generate as gen
+
+    monkeypatch.setattr(gen, "PROGRESS_EVERY_S", 3600.0)
+    bar = gen.LineProgress(total=3)
+    bar.update(1)
+    bar.update(1)
+    assert capsys.readouterr().out == ""  # nothing drawn, nothing said before the interval
+    bar.update(1)
+    bar.close()
+    said = json.loads(capsys.readouterr().out)
+    assert (said["progress"], said["total"]) == (3, 3) and said["elapsed_s"] >= 0
+
+
+def test_a_generator_that_dies_raises_with_vllms_log_kept_and_caches_nothing(monkeypatch, tmp_path):
+    """vLLM failing mid-generation: the error carries its log's tail, the log stays beside the output for
+    the user, the progress said before it was relayed, and no partial records are cached as done."""
+    import sys
+
+    from cartspec.draft import features
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho '{\"progress\": 1, \"total\": 2, \"elapsed_s\": 0.5}'\n"
+                    "echo 'RuntimeError: engine core died' >&2\nexit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    said, out = [], tmp_path / "gen.jsonl"
+    with pytest.raises(RuntimeError, match=r"exit 3\)[\s\S]*engine core died"):
+        features.vllm_generate(tmp_path, [[1, 2]], [features.Sampling(max_tokens=2)], out, log=said.append)
+    assert "engine core died" in out.with_suffix(".log").read_text()
+    assert "vLLM generation: 1/2 answers, 0s" in said and not out.exists()

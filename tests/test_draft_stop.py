@@ -224,6 +224,19 @@ def test_the_prompts_share_of_a_steps_tokens():
     assert steps.prompt_tokens(_scheduled({"a": 4, "b": 1})) == 0
     by = {"1": {"steps": 2, "tokens": 104, "prompt_tokens": 100}, "2": {"steps": 2, "tokens": 96, "prompt_tokens": 0}}
     assert steps.summary(by)["prefill_share"] == 0.5
+    assert "decode_ms" not in steps.summary(by)  # counters written before decoding steps were counted
+
+
+def test_a_decoding_steps_time_and_the_time_in_steps_that_prefilled():
+    """The steps that prefilled no prompt give the cost of a step of decoding alone; the rest of the time went
+    to steps that prefilled one, which τ does not shorten."""
+    by = {"1": {"steps": 4, "draft_s": 0.04, "verify_s": 0.36, "tokens": 60, "prompt_tokens": 50,
+                "decode_steps": 3, "decode_s": 0.15},
+          "2": {"steps": 1, "draft_s": 0.02, "verify_s": 0.08, "tokens": 8, "prompt_tokens": 0,
+                "decode_steps": 1, "decode_s": 0.1}}
+    s = steps.summary(by)
+    assert s["decode_ms"] == 62.5  # (0.15 + 0.1) s over 4 steps
+    assert s["prefill_time_share"] == 0.5  # 0.25 of the 0.5 s in the one step that prefilled
 
 
 def test_step_stats_time_drafting_and_verifying_by_batch_size(monkeypatch, tmp_path):
@@ -253,11 +266,13 @@ def test_step_stats_time_drafting_and_verifying_by_batch_size(monkeypatch, tmp_p
     by = steps.read(path)
     assert set(by) == {"2"} and by["2"]["steps"] == 3 and by["2"]["requests"] == 6 and by["2"]["tokens"] == 24
     assert by["2"]["prompt_tokens"] == 0  # both requests decoding
+    assert by["2"]["decode_steps"] == 3 and by["2"]["decode_s"] == pytest.approx(by["2"]["draft_s"] + by["2"]["verify_s"])
     assert by["2"]["drafted"] == 18 and by["2"]["kept"] == 9
     assert by["2"]["draft_s"] > 0 and by["2"]["verify_s"] >= 0 and by["2"]["gc_s"] > 0
     s = steps.summary(steps.difference(by, before))
     assert s["steps"] == 3 and s["requests"] == 2 and s["kept_share"] == 0.5 and s["draft_ms"] > 0
     assert 0 < s["gc_ms"] <= s["draft_ms"] + s["verify_ms"]
+    assert s["decode_ms"] == pytest.approx(s["draft_ms"] + s["verify_ms"], abs=0.002) and s["prefill_time_share"] == 0
     # a point's own steps: the difference of two reads; a restarted server's counters start again
     runner.execute_model(sched)
     runner.sample_tokens(None)
@@ -322,6 +337,7 @@ def test_in_vllm_drafts_are_cut_per_request_replies_stay_the_targets_and_steps_a
     plain = steps.summary(by0)
     assert plain["draft_ms"] < total["draft_ms"] and "kept_share" not in plain
     assert 0 < plain["prefill_share"] < 1 and 0 < total["prefill_share"] < 1  # read from vLLM's scheduler output
+    assert 0 < plain["prefill_time_share"] < 1 and plain["decode_ms"] > 0  # steps that decoded alone, and the rest
     # the hybrid (the prompt's n-gram copies over the head's draft) cut the same way: the two patches stack
     from cartspec.drafting.config import HybridConfig
 

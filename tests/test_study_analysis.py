@@ -376,11 +376,13 @@ def test_the_report_shows_where_a_steps_time_goes_and_the_prompts_share():
     head = _sliced("eagle3-domain-g3", "eagle3", 3, [150.0, 150.0])
     head = head.model_copy(update={"engine_steps": {
         "3-4": {"steps": 10, "draft_s": 0.1, "verify_s": 0.5, "gc_s": 0.0, "requests": 40, "tokens": 200,
-                "prompt_tokens": 50, "drafted": 0, "kept": 0}}})
+                "prompt_tokens": 50, "drafted": 0, "kept": 0, "decode_steps": 8, "decode_s": 0.4}}})
     rows = study_rows([base, head])
     b, h = sorted(rows, key=lambda r: r.speculative)
     assert (h.draft_ms, h.verify_ms, h.prefill_share) == (10.0, 50.0, 0.25)
+    assert (h.decode_ms, h.prefill_time_share) == (50.0, pytest.approx(1 / 3, abs=1e-4))
     assert b.verify_ms is None and "prefill_share" not in b.model_dump() and "prefill_share" in h.model_dump()
+    assert "decode_ms" not in b.model_dump()
     assert "the prompts' prefill, which speculation does not shorten, was 25% of the tokens its target ran at c4" \
         in verdict(rows, [], 2.0)
 

@@ -168,4 +168,6 @@ def test_the_offline_generator_runs_with_the_plugins_patches_and_keeps_vllms_log
     assert len(records) == 1
     report = read_report(out.with_suffix(".log").read_text())
     assert {n: s.status for n, s in report.items()} == {p.name: "applied" for p in patches()}
-    assert "cartspec's patches: cpu_expand=applied" in said[0]
+    assert said[0].endswith(f"vLLM's log: {out.with_suffix('.log')}")  # said before vLLM starts
+    assert any(line.startswith("vLLM generation: 1/1 answers") for line in said)  # its progress, relayed
+    assert "cartspec's patches: cpu_expand=applied" in said[-1]

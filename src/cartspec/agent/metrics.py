@@ -136,7 +136,12 @@ class EngineSteps:
                                               "size", labels=["target", "batch"]),
                 "prompt_tokens": CounterMetricFamily(p + "step_prompt_tokens", "Of those tokens, the prompts' "
                                                      "prefill (work that speculation does not shorten), by batch "
-                                                     "size", labels=["target", "batch"])}
+                                                     "size", labels=["target", "batch"]),
+                "decode_steps": CounterMetricFamily(p + "decode_steps", "Of those steps, the ones that prefilled "
+                                                    "no prompt (decoding alone), by batch size",
+                                                    labels=["target", "batch"]),
+                "decode_s": CounterMetricFamily(p + "decode_seconds", "Engine time spent in those decoding steps, "
+                                                "by batch size", labels=["target", "batch"])}
         for target, path in self.files.items():
             for bucket, row in steps.read(path).items():
                 for field, fam in fams.items():

@@ -51,7 +51,7 @@ class EngineTrace(BaseModel):
     """The engine's steps while the answering call ran (cartspec's vLLM plugin, ``vllm_plugin.steps``): how
     many, and per step the time spent drafting and on the rest (the target's verify forward, sampling), of
     those the time in Python's garbage collector, the mean batch, the prompts' share of the tokens the target
-    ran, and the share of drafted tokens kept where drafts are cut per request. Steps are shared by the
+    ran, the time of a step that prefilled no prompt and the share of the time in steps that did, and the share of drafted tokens kept where drafts are cut per request. Steps are shared by the
     requests in flight together; the engine writes its counters every 0.2 s, so a call shorter than that may
     see none."""
 
@@ -61,6 +61,8 @@ class EngineTrace(BaseModel):
     gc_ms: float | None = None  # of draft_ms + verify_ms, the engine worker's garbage collections
     requests: float | None = None
     prefill_share: float | None = None  # of the tokens the target ran, the prompts' prefill
+    decode_ms: float | None = None  # a step that prefilled no prompt
+    prefill_time_share: float | None = None  # of the steps' time, the steps that prefilled a prompt
     kept_share: float | None = None
 
     @classmethod

@@ -78,7 +78,12 @@ class StudyRow(BaseModel):
                                     "sampling and verification")
     prefill_share: float | None = Field(None, description="of the tokens the target ran, the prompts' prefill: "
                                         "work that speculation does not shorten")
-    _without_unknown_steps = omit_when_none("draft_ms", "verify_ms", "prefill_share")  # points without step counts
+    decode_ms: float | None = Field(None, description="an engine step that prefilled no prompt (ms): the cost "
+                                    "of a step of decoding alone, which τ divides")
+    prefill_time_share: float | None = Field(None, description="of the engine steps' time, the steps that "
+                                             "prefilled a prompt")
+    _without_unknown_steps = omit_when_none("draft_ms", "verify_ms", "prefill_share", "decode_ms",
+                                            "prefill_time_share")  # points without step counts
 
     @property
     def ok(self) -> bool:

@@ -54,11 +54,13 @@ def pooled_ratio_ci(pairs: Sequence[tuple[PointResult, PointResult]]) -> tuple[f
 
 
 def _step_figures(r: PointResult) -> dict:
-    """The point's engine steps (patch ``step_stats``): drafting and verifying ms a step, the prompts' share."""
+    """The point's engine steps (patch ``step_stats``): drafting and verifying ms a step, the prompts' share
+    of the tokens, a decoding step's ms and the share of the time in steps that prefilled."""
     s = step_summary(r.engine_steps or {}) if r.status == "ok" else None
     if not s:
         return {}
-    return {"draft_ms": s["draft_ms"], "verify_ms": s["verify_ms"], "prefill_share": s.get("prefill_share")}
+    return {"draft_ms": s["draft_ms"], "verify_ms": s["verify_ms"], "prefill_share": s.get("prefill_share"),
+            "decode_ms": s.get("decode_ms"), "prefill_time_share": s.get("prefill_time_share")}
 
 
 def study_rows(results: list[PointResult]) -> list[StudyRow]:

@@ -85,8 +85,9 @@ def vllm_generate(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: S
                   enforce_eager: bool = False, max_model_len: int = 1024, log: Callable[[str], None] = print,
                   ) -> list[dict[str, Any]]:
     """Run ``cartspec.draft.vllm_generate`` in a subprocess; returns its records (cached at ``out``). Its
-    stderr, vLLM's log with the patches cartspec's vLLM plugin applied, is kept beside ``out`` (``.log``); a
-    vLLM that ran without the plugin is refused."""
+    stderr, vLLM's log with the patches cartspec's vLLM plugin applied, is written beside ``out`` (``.log``)
+    as it runs, and its progress goes to ``log`` a line at a time; a vLLM that ran without the plugin is
+    refused."""
     from ..serving.engine import engine_env, resolve_dtype
     from ..vllm_plugin import not_loaded, read_report, summary
 
@@ -102,17 +103,29 @@ def vllm_generate(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: S
     tmp = out.with_suffix(".tmp")
     env = {**os.environ, **engine_env()}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "cartspec.draft.vllm_generate", str(job_path), str(tmp)],
-                          env=env, capture_output=True, text=True)
-    out.with_suffix(".log").write_text(proc.stderr)
+    log_path = out.with_suffix(".log")
+    log(f"vLLM generation: {len(prompts)} prompts; vLLM's log: {log_path}")
+    stats = "{}"
+    with open(log_path, "w") as err:  # written as vLLM runs, so a user can follow it
+        proc = subprocess.Popen([sys.executable, "-m", "cartspec.draft.vllm_generate", str(job_path), str(tmp)],
+                                env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        for line in proc.stdout:
+            line = line.strip()
+            if not line.startswith("{"):
+                continue
+            stats = line
+            said = json.loads(line)
+            if "progress" in said:
+                log(f"vLLM generation: {said['progress']}/{said['total']} answers, {said['elapsed_s']:.0f}s")
+        proc.wait()
+    stderr = log_path.read_text()
     if proc.returncode != 0:
-        raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    patches = read_report(proc.stderr)
+        raise RuntimeError(f"vLLM generation failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+    patches = read_report(stderr)
     if not patches:
         raise RuntimeError(not_loaded(sys.executable))
-    stats = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("{")), "{}")
     log(f"vLLM generation: {len(prompts)} prompts in {time.perf_counter() - t0:.0f}s ({stats}); cartspec's "
-        f"patches: {summary(patches)}; vLLM's log: {out.with_suffix('.log')}")
+        f"patches: {summary(patches)}; vLLM's log: {log_path}")
     tmp.replace(out)
     job_path.unlink(missing_ok=True)
     return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]

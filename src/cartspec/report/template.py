@@ -88,13 +88,15 @@ of replies identical to the baseline's for the same request.</p>
 {% set stepped = rows|selectattr("verify_ms")|list %}{% if stepped %}<h2>Where an engine step's time goes</h2>
 <p class="muted">Per engine step, from cartspec's counters inside vLLM: drafting (the head's forwards and cartspec's
 drafters) and the rest (the target's forward over the drafts, sampling, verification), in ms. Prefill: of the tokens
-the target ran, the prompts' share. Speculation shortens decoding, not prefill, so the higher that share, the less
-a better draft can speed up the point.</p>
+the target ran, the prompts' share; in time, the share of the steps' time spent in steps that prefilled a prompt.
+Speculation shortens decoding, not prefill, so the higher those shares, the less a better draft can speed up the
+point. Decoding step: the ms of a step that prefilled nothing, the cost a draft's τ divides.</p>
 <table id="steps"><tr><th class="l">deployment</th><th>load</th><th>T</th><th class="l">set</th><th>drafting ms</th>
-<th>rest ms</th><th>prefill</th></tr>
+<th>rest ms</th><th>prefill</th><th>prefill, in time</th><th>decoding step ms</th></tr>
 {% for r in stepped %}<tr><td class="l">{{ r.deployment }}</td>
 <td>{{ r.concurrency if r.mode == "closed" else r.rate ~ "/s" }}</td><td>{{ r.temperature }}</td><td class="l">{{ r.request_set }}</td>
-<td>{{ num(r.draft_ms, 1) }}</td><td>{{ num(r.verify_ms, 1) }}</td><td>{{ pct(r.prefill_share) }}</td></tr>
+<td>{{ num(r.draft_ms, 1) }}</td><td>{{ num(r.verify_ms, 1) }}</td><td>{{ pct(r.prefill_share) }}</td>
+<td>{{ pct(r.prefill_time_share) }}</td><td>{{ num(r.decode_ms, 1) }}</td></tr>
 {% endfor %}</table>
 
 {% endif %}{% set failed = rows|selectattr("status", "equalto", "failed")|list %}

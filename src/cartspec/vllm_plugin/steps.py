@@ -12,6 +12,8 @@ cartspec drafter: hybrid, schema, draft length), and counts per step:
   allocation sets it off, so a drafter's objects can make the verify phase pay for it);
 * the requests in the batch and the tokens the target ran, and of those the prompts' prefill
   (``prompt_tokens``), work that speculation does not shorten;
+* the steps that prefilled no prompt and their time (``decode_steps``, ``decode_s``): what a step of
+  decoding alone costs, the cost that a draft's τ divides;
 * the tokens drafted and kept where a draft is cut per request (``draft_stop``).
 
 Counts are kept per batch-size bucket (``BUCKETS``) and written, at most every ``EVERY_S`` seconds and
@@ -38,7 +40,8 @@ ENV = "CARTSPEC_STEP_STATS"
 EVERY_S = 0.2
 # batch-size buckets (requests in the step): their upper bounds; the last takes the rest
 BUCKETS = (1, 2, 4, 8, 16, 32)
-FIELDS = ("steps", "draft_s", "verify_s", "gc_s", "requests", "tokens", "prompt_tokens", "drafted", "kept")
+FIELDS = ("steps", "draft_s", "verify_s", "gc_s", "requests", "tokens", "prompt_tokens", "drafted", "kept",
+          "decode_steps", "decode_s")
 
 
 def bucket_of(n: int) -> str:
@@ -75,6 +78,9 @@ class Stats:
         row["draft_s"] += draft
         row["verify_s"] += max(p.get("step_s", 0.0) - draft, 0.0)
         row["gc_s"] += p.get("gc_s", 0.0)
+        if not prompt:
+            row["decode_steps"] += 1
+            row["decode_s"] += p.get("step_s", 0.0)
         row["drafted"] += p.get("drafted", 0.0)
         row["kept"] += p.get("kept", 0.0)
         now = time.monotonic()
@@ -208,7 +214,7 @@ def difference(after: dict, before: dict) -> dict[str, dict[str, float]]:
     out = {}
     for b, row in after.items():
         prev = before.get(b, {})
-        d = {f: row.get(f, 0.0) - prev.get(f, 0.0) for f in FIELDS}
+        d = {f: row.get(f, 0.0) - prev.get(f, 0.0) for f in FIELDS}  # a field older files lack: 0
         if d["steps"] > 0:
             out[b] = d
     return out
@@ -217,8 +223,9 @@ def difference(after: dict, before: dict) -> dict[str, dict[str, float]]:
 def summary(by: dict[str, dict[str, float]]) -> dict[str, Any] | None:
     """Per-step means over ``by`` (all buckets pooled): steps, draft_ms, verify_ms, gc_ms (of those two, the
     garbage collector's), requests (mean batch), prefill_share (the prompts' share of the tokens the target
-    ran: work that speculation does not shorten) and kept_share (kept / drafted tokens, where drafts were cut
-    per request); None without steps."""
+    ran: work that speculation does not shorten), decode_ms (a step that prefilled no prompt) with
+    prefill_time_share (the share of the steps' time spent in steps that prefilled one) and kept_share
+    (kept / drafted tokens, where drafts were cut per request); None without steps."""
     tot = {f: sum(row.get(f, 0.0) for row in by.values()) for f in FIELDS}
     n = tot["steps"]
     if not n:
@@ -228,6 +235,10 @@ def summary(by: dict[str, dict[str, float]]) -> dict[str, Any] | None:
            "requests": round(tot["requests"] / n, 2)}
     if tot["tokens"]:
         out["prefill_share"] = round(tot["prompt_tokens"] / tot["tokens"], 4)
+    step_s = tot["draft_s"] + tot["verify_s"]
+    if tot.get("decode_steps") and step_s > 0:
+        out["decode_ms"] = round(1000 * tot["decode_s"] / tot["decode_steps"], 3)
+        out["prefill_time_share"] = round(max(0.0, 1.0 - tot["decode_s"] / step_s), 4)
     if tot["drafted"]:
         out["kept_share"] = round(tot["kept"] / tot["drafted"], 4)
     return out
