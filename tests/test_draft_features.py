@@ -150,7 +150,7 @@ def test_a_generator_that_dies_raises_with_vllms_log_kept_and_caches_nothing(mon
     from cartspec.draft import features
 
     fake = tmp_path / "python"
-    fake.write_text("#!/bin/sh\necho '{\"progress\": 1, \"total\": 2, \"elapsed_s\": 0.5}'\n"
+    fake.write_text("#!/bin/sh\necho '{not json' && echo 7\necho '{\"progress\": 1, \"total\": 2, \"elapsed_s\": 0.5}'\n"
                     "echo 'RuntimeError: engine core died' >&2\nexit 3\n")
     fake.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(fake))

@@ -110,11 +110,13 @@ def vllm_generate(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: S
         proc = subprocess.Popen([sys.executable, "-m", "cartspec.draft.vllm_generate", str(job_path), str(tmp)],
                                 env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         for line in proc.stdout:
-            line = line.strip()
-            if not line.startswith("{"):
+            try:  # the child's JSON lines; anything else on its stdout is not ours to read
+                said = json.loads(line)
+            except ValueError:
                 continue
-            stats = line
-            said = json.loads(line)
+            if not isinstance(said, dict):
+                continue
+            stats = line.strip()
             if "progress" in said:
                 log(f"vLLM generation: {said['progress']}/{said['total']} answers, {said['elapsed_s']:.0f}s")
         proc.wait()
