@@ -37,7 +37,7 @@ if rank == 0:
 
 def _run(cmd, env):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:] + "\n--- stdout ---\n" + proc.stdout[-1000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 

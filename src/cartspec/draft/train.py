@@ -31,6 +31,7 @@ the same data resumes there, replaying the same batch order.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
@@ -96,7 +97,18 @@ def distributed() -> tuple[int, int]:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend="nccl" if cuda else "gloo")
+        atexit.register(_leave_process_group)
     return dist.get_rank(), dist.get_world_size()
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group before the interpreter tears down: left to its destructor, gloo can abort a
+    finished rank at exit ("terminate called without an active exception", SIGABRT), failing a run whose
+    training and export had completed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 
