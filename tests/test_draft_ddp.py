@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +36,13 @@ if rank == 0:
 """
 
 
-def _run(cmd, env):
+def _run(cmd, env, out: Path | None = None):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 and "SIGABRT" in proc.stderr and out is not None:
+        # gloo on this 2-core CPU aborts a rank about once in ten runs ("terminate called without an active
+        # exception"); one clean rerun, from an empty output directory, then the run must pass
+        shutil.rmtree(out, ignore_errors=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:] + "\n--- stdout ---\n" + proc.stdout[-1000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
@@ -75,7 +81,8 @@ def test_torchrun_two_processes_reach_the_single_process_loss_ddp_and_fsdp(tiny_
                 str(tmp_path / "one")], env)
     torchrun = Path(sys.executable).with_name("torchrun")
     two = {mode: _run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script),
-                       str(tmp_path / "features"), str(tiny_llama_dir), str(tmp_path / mode), mode], env)
+                       str(tmp_path / "features"), str(tiny_llama_dir), str(tmp_path / mode), mode], env,
+                      out=tmp_path / mode)
            for mode in ("ddp", "fsdp")}
     assert one["world"] == 1 and one["sharding"] is None
     assert all(two[m]["world"] == 2 and two[m]["sharding"] == m for m in two)
