@@ -15,6 +15,9 @@ from ..results import Invocation, Machine, load_label, load_value
 from .classes import ClassAcceptance
 from .cost_model import PointPrediction, StepCosts
 
+# a row's figures from its point's engine steps (``vllm_plugin.steps.summary``), left out where it has none
+STEP_FIELDS = ("draft_ms", "verify_ms", "prefill_share", "decode_ms", "prefill_time_share")
+
 SUMMARY_FILE = "summary.json"
 
 DEFINITIONS = {
@@ -82,8 +85,7 @@ class StudyRow(BaseModel):
                                     "of a step of decoding alone, which τ divides")
     prefill_time_share: float | None = Field(None, description="of the engine steps' time, the steps that "
                                              "prefilled a prompt")
-    _without_unknown_steps = omit_when_none("draft_ms", "verify_ms", "prefill_share", "decode_ms",
-                                            "prefill_time_share")  # points without step counts
+    _without_unknown_steps = omit_when_none(*STEP_FIELDS)  # points without step counts
 
     @property
     def ok(self) -> bool:

@@ -7,7 +7,7 @@ from typing import Sequence
 
 from ..results import PointResult, baseline_for, baselines, matched_records
 from ..vllm_plugin.steps import summary as step_summary
-from .models import QualityTest, StudyRow
+from .models import STEP_FIELDS, QualityTest, StudyRow
 from .specs import measured_spec
 
 
@@ -59,8 +59,7 @@ def _step_figures(r: PointResult) -> dict:
     s = step_summary(r.engine_steps or {}) if r.status == "ok" else None
     if not s:
         return {}
-    return {"draft_ms": s["draft_ms"], "verify_ms": s["verify_ms"], "prefill_share": s.get("prefill_share"),
-            "decode_ms": s.get("decode_ms"), "prefill_time_share": s.get("prefill_time_share")}
+    return {f: s.get(f) for f in STEP_FIELDS}
 
 
 def study_rows(results: list[PointResult]) -> list[StudyRow]:
