@@ -71,3 +71,61 @@ def test_draft_pointer_trains_into_the_directory_it_names(tiny_llama_dir, tmp_pa
     assert "pointer" in res.output and str(out) in " ".join(res.output.split())
     conf = json.loads((out / "config.json").read_text())
     assert conf["cartspec"]["target"] == {"name": str(tiny_llama_dir), "digest": target_digest(tiny_llama_dir)}
+
+
+def test_build_head_refuses_substituted_prompts_off_the_domain_and_a_head_of_another_target(tmp_path, monkeypatch):
+    import json
+
+    from cartspec.model import registry
+
+    monkeypatch.setattr(registry, "resolve_model", lambda name: tmp_path)
+    monkeypatch.setattr(registry, "target_digest", lambda d: "0123456789abcdef")
+    with pytest.raises(DraftPipelineError, match="--kind domain"):
+        build_head(HeadTrainingConfig(kind="generic", substituted=10, out=tmp_path / "h", device="cpu"))
+    other = tmp_path / "other-head"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"cartspec": {"target": {"digest": "ffffffffffffffff"}}}))
+    with pytest.raises(DraftPipelineError, match="target digest ffffffffffffffff"):
+        build_head(HeadTrainingConfig(kind="domain", init=str(other), out=tmp_path / "h", device="cpu"))
+    with pytest.raises(DraftPipelineError, match="--init .*not found"):
+        build_head(HeadTrainingConfig(kind="domain", init=str(tmp_path / "nowhere"), out=tmp_path / "h",
+                                      device="cpu"))
+
+
+def test_substituted_prompts_are_a_feature_set_of_their_own(tiny_llama_dir, tmp_path, monkeypatch):
+    """Adding --substituted keeps the plain prompts' features (same prompts, same sampling: the same cache
+    key) and builds the substituted ones beside them; both feed the training."""
+    from cartspec.draft import features
+    from cartspec.model import registry
+
+    monkeypatch.setattr(registry, "resolve_model", lambda name: tiny_llama_dir)
+    calls: list[tuple[str, list, list]] = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_build(model_dir, prompts, sampling, tag="", **kw):
+        calls.append((tag, [list(p) for p in prompts], [s.as_dict() for s in sampling]))
+        raise Stop
+
+    monkeypatch.setattr(features, "build_features", fake_build)
+    with pytest.raises(Stop):
+        build_head(HeadTrainingConfig(kind="domain", prompts="8", sampled=0.5, out=tmp_path / "a", device="cpu"))
+    plain = calls.pop()
+
+    def fake_two(model_dir, prompts, sampling, tag="", **kw):
+        calls.append((tag, [list(p) for p in prompts], [s.as_dict() for s in sampling]))
+        if len(calls) == 2:
+            raise Stop
+        return tmp_path, [], []
+
+    monkeypatch.setattr(features, "build_features", fake_two)
+    with pytest.raises(Stop):
+        build_head(HeadTrainingConfig(kind="domain", prompts="8", sampled=0.5, substituted=6, out=tmp_path / "b",
+                                      device="cpu"))
+    assert calls[0] == plain and plain[0] == "domain"
+    tag, prompts, sampling = calls[1]
+    assert tag == "domain-substituted" and len(prompts) == 6 + 3
+    assert [s["temperature"] for s in sampling].count(0.0) == 6
+    seeds = {s.get("seed") for s in sampling} - {None}
+    assert len(seeds) == 3 and not seeds & {s.get("seed") for s in plain[2]}

@@ -51,6 +51,12 @@ def train(
     prompts: str = typer.Option(TRAIN.prompts, help="FILE.jsonl (cartspec request lines or OpenAI chat lines "
                                                     "{\"messages\": [...]}), or N: that many prompts of --kind"),
     limit: Optional[int] = typer.Option(None, help="first N prompts of --prompts FILE only"),
+    substituted: int = typer.Option(TRAIN.substituted, help="with --kind domain: N more training-split search "
+                                    "requests whose products, brands, colours and materials are words no "
+                                    "generator pool has, so the head learns to copy the shopper's words"),
+    init: Optional[str] = typer.Option(None, "--init", help="start from this head (bundled name, registry or "
+                                       "directory; same target) instead of a random one, its draft vocabulary "
+                                       "widened by the reply tokens (seen twice or more) it lacks"),
     sampled: float = typer.Option(TRAIN.sampled, help="extra sampled answers, as a share of the prompts "
                                                       "(temperature below)"),
     temperature: float = typer.Option(TRAIN.temperature, help="temperature of the sampled answers"),
@@ -77,7 +83,8 @@ def train(
     Under ``torchrun --nproc_per_node N`` the training runs data-parallel (DDP, or FSDP2 with ``--fsdp``; gloo
     on CPU, nccl on CUDA): rank 0 regenerates and captures the features, every rank trains on its share of
     each batch."""
-    cfg = HeadTrainingConfig(kind=kind, target=target, out=out, prompts=prompts, limit=limit, sampled=sampled,
+    cfg = HeadTrainingConfig(kind=kind, target=target, out=out, prompts=prompts, limit=limit,
+                             substituted=substituted, init=init, sampled=sampled,
                              temperature=temperature, max_tokens=max_tokens, steps=steps, epochs=epochs,
                              ttt_steps=ttt_steps, draft_vocab=draft_vocab, lr=lr, batch_tokens=batch_tokens,
                              max_minutes=max_minutes, save_every=save_every, seed=seed, enforce_eager=enforce_eager,

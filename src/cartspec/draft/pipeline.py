@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 Log = Callable[[str], None]
 
@@ -89,6 +89,8 @@ class HeadTrainingConfig(BaseModel):
     out: Optional[Path] = None  # default: default_out(label, target digest)
     prompts: str = "1200"  # FILE.jsonl, or N prompts of `kind`
     limit: Optional[int] = None  # first N prompts of a prompts file
+    substituted: int = Field(0, ge=0)  # extra domain prompts whose values no generator pool has (task.augment)
+    init: Optional[str] = None  # start from this head (bundled name or directory) instead of a random one
     sampled: float = 0.5  # extra sampled answers, as a share of the prompts
     temperature: float = 0.7
     max_tokens: int = 192
@@ -146,6 +148,50 @@ def _builtin_prompts(kind: str, tok: Any, n: int, seed: int) -> tuple[list[list[
     return [tok(t, add_special_tokens=False).input_ids for t in texts], desc
 
 
+def _substituted_prompts(tok: Any, n: int, seed: int) -> tuple[list[list[int]], str]:
+    from ..task.augment import substituted_requests
+    from ..task.prompts import render
+
+    texts = [render(tok, r) for r in substituted_requests(n, seed)]
+    return ([tok(t, add_special_tokens=False).input_ids for t in texts],
+            f"substituted_requests({n}, seed={seed}) (training-split search requests whose products, brands, "
+            "colours and materials are words of no generator or novel pool)")
+
+
+def _warm_start(init: str, digest: str) -> Any:
+    """The head ``init`` names (a bundled head or a head directory) as a warm start, with its own draft
+    vocabulary; refused when it was trained for another target."""
+    from ..model.convert import ModelNotFound
+    from ..model.registry import head_target, resolve_head
+    from .train import WarmStart, head_draft_ids
+
+    try:
+        head_dir = resolve_head(init)
+    except ModelNotFound as exc:
+        raise DraftPipelineError(f"--init {init}: {exc}") from exc
+    its = (head_target(head_dir) or {}).get("digest")
+    if its and its != digest:
+        raise DraftPipelineError(f"--init {init}: that head was trained for target digest {its}, not this target's "
+                                 f"{digest}; start from a head of this target or leave --init out")
+    return WarmStart(head_dir=head_dir, draft_ids=head_draft_ids(head_dir))
+
+
+def _widened(warm: Any, records: list[dict[str, Any]], model_dir: Path, log: Log) -> Any:
+    """``warm`` with its draft vocabulary widened by every reply token seen at least twice that it lacks
+    (``train.widen_vocab``, as ``cartspec draft refresh`` does): a head cannot learn to draft a token its
+    vocabulary does not hold, and new prompts (substituted values) bring new words."""
+    import json
+    from collections import Counter
+
+    from .train import WarmStart, widen_vocab
+
+    V = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    new_ids, added = widen_vocab(warm.draft_ids, Counter(t for r in records for t in r["output_ids"]), V)
+    log(f"warm start from {warm.head_dir}: draft vocabulary {len(warm.draft_ids)} + {len(added)} reply tokens "
+        f"it lacked (seen twice or more) = {len(new_ids)}")
+    return WarmStart(head_dir=warm.head_dir, draft_ids=new_ids)
+
+
 def _file_prompts(path: str, tok: Any, limit: int | None) -> tuple[list[list[int]], str]:
     """A user's prompts: cartspec request lines or OpenAI chat lines, rendered with the target's template."""
     from ..task.data import read_requests
@@ -178,6 +224,8 @@ def build_head(cfg: HeadTrainingConfig, *, command: str | None = None, log: Log 
 
     if cfg.kind is not None and cfg.kind not in ("generic", "domain"):
         raise DraftPipelineError("--kind must be generic or domain")
+    if cfg.substituted and cfg.kind != "domain":
+        raise DraftPipelineError("--substituted adds commerce requests: it goes with --kind domain")
     if not cfg.from_file and cfg.kind is None:
         raise DraftPipelineError("give the training prompts: --prompts FILE.jsonl (your own requests or chat "
                                  "lines), or --kind generic|domain for a built-in set")
@@ -195,6 +243,7 @@ def build_head(cfg: HeadTrainingConfig, *, command: str | None = None, log: Log 
     if is_bundled(out) and not cfg.replace_bundled:
         raise DraftPipelineError(f"--out {out} is inside the bundled heads; a trained head goes elsewhere (default "
                                  "runs/heads/) unless --replace-bundled says to replace a bundled one")
+    warm = _warm_start(cfg.init, digest) if cfg.init else None
     rank, world = distributed()
     rank_log: Log = log if rank == 0 else _noop
     t_start = time.perf_counter()
@@ -202,48 +251,66 @@ def build_head(cfg: HeadTrainingConfig, *, command: str | None = None, log: Log 
     try:
         prompt_ids, prompt_desc = (_file_prompts(cfg.prompts, tok, cfg.limit) if cfg.from_file
                                    else _builtin_prompts(label, tok, int(cfg.prompts), cfg.seed))
+        subst_ids, subst_desc = _substituted_prompts(tok, cfg.substituted, cfg.seed) if cfg.substituted else ([], "")
     except (DataFileError, ValueError) as exc:
         raise DraftPipelineError(str(exc)) from exc
-    n_s = int(round(cfg.sampled * len(prompt_ids)))
-    all_prompts = prompt_ids + prompt_ids[:n_s]
-    sampling = [Sampling(0.0, max_tokens=cfg.max_tokens)] * len(prompt_ids) + \
-        [Sampling(cfg.temperature, top_p=0.95, max_tokens=cfg.max_tokens, seed=cfg.seed * 100003 + i)
-         for i in range(n_s)]
-    rank_log(f"target {model_dir} (digest {digest}): {len(prompt_ids)} greedy + {n_s} sampled "
+    if subst_desc:
+        prompt_desc += f"; plus {subst_desc}"
+    # each prompt set is its own feature cache: adding substituted prompts reuses the plain set's features
+    sets: list[tuple[str, list[list[int]], list[Any]]] = []
+    for tag, ids, seed_base in ((label, prompt_ids, cfg.seed * 100003),
+                                (f"{label}-substituted", subst_ids, cfg.seed * 100003 + 50_000_017)):
+        if not ids:
+            continue
+        n_s = int(round(cfg.sampled * len(ids)))
+        sets.append((tag, ids + ids[:n_s], [Sampling(0.0, max_tokens=cfg.max_tokens)] * len(ids) + [
+            Sampling(cfg.temperature, top_p=0.95, max_tokens=cfg.max_tokens, seed=seed_base + i)
+            for i in range(n_s)]))
+    n_greedy = len(prompt_ids) + len(subst_ids)
+    n_s = sum(len(seqs) for _, seqs, _ in sets) - n_greedy
+    rank_log(f"target {model_dir} (digest {digest}): {n_greedy} greedy + {n_s} sampled "
              f"(T={cfg.temperature}) answers")
 
-    def features():
-        with progress() as pg:
-            task = pg.add_task("features", total=len(all_prompts), info="regenerating with vLLM")
-            res = build_features(
-                model_dir, all_prompts, sampling, tag=label, enforce_eager=cfg.enforce_eager, log=log,
-                progress=lambda d, t: pg.update(task, completed=d, total=t, info="HF forward, aux states"),
-                device=dev)
-            pg.update(task, completed=len(all_prompts), info=str(res[0]))
-        return res
+    def features(log_to: Log, show: bool) -> list[tuple[Path, list[dict[str, Any]], list[Path]]]:
+        built = []
+        with progress() if show else Quiet() as pg:
+            for tag, seqs, sampling in sets:
+                task = pg.add_task("features", total=len(seqs), info=f"{tag}: regenerating with vLLM")
+                res = build_features(
+                    model_dir, seqs, sampling, tag=tag, enforce_eager=cfg.enforce_eager, log=log_to,
+                    progress=lambda d, t, task=task: pg.update(task, completed=d, total=t,
+                                                               info="HF forward, aux states"),
+                    device=dev)
+                pg.update(task, completed=len(seqs), info=str(res[0]))
+                built.append(res)
+        return built
 
     if world > 1:  # rank 0 builds (or finds cached) features; the others wait, then read the cache
         import torch.distributed as dist
 
         if rank == 0:
-            fdir, records, shards = features()
+            built = features(log, True)
         dist.barrier()
         if rank != 0:
-            fdir, records, shards = build_features(model_dir, all_prompts, sampling, tag=label, log=rank_log,
-                                                   device=dev)
+            built = features(rank_log, False)
     else:
-        fdir, records, shards = features()
+        built = features(log, True)
     t_feat = time.perf_counter() - t_start
-    fs = FeatureSet.load(shards)
+    fs = FeatureSet.load([sh for _, _, shards in built for sh in shards])
+    records = [r for _, recs, _ in built for r in recs]
+    fdir = built[0][0]
     resp_tokens = int(sum(len(r["output_ids"]) for r in records))
-    rank_log(f"features: {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens ({resp_tokens} response) in {fdir}")
+    rank_log(f"features: {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens ({resp_tokens} response) in "
+             f"{', '.join(str(d) for d, _, _ in built)}")
 
     tcfg = TrainConfig(ttt_steps=cfg.ttt_steps, lr=cfg.lr, batch_tokens=cfg.batch_tokens, epochs=cfg.epochs,
                        steps=cfg.steps, draft_vocab_size=cfg.draft_vocab, save_every=cfg.save_every, seed=cfg.seed,
                        max_minutes=cfg.max_minutes, fsdp=cfg.fsdp)
-    data_key = fdir.name
-    work = home() / "draft" / "runs" / f"{label}-{config_digest([str(out.resolve()), data_key])}"
-    extra_vocab = [t for p in prompt_ids for t in p]
+    data_key = "+".join(d.name for d, _, _ in built)
+    if warm is not None:
+        warm = _widened(warm, records, model_dir, rank_log)
+    work = home() / "draft" / "runs" / f"{label}-{config_digest([str(out.resolve()), data_key, cfg.init or ''])}"
+    extra_vocab = [t for p in prompt_ids + subst_ids for t in p]
     with progress() if rank == 0 else Quiet() as pg:
         task = pg.add_task("train", total=1, info="")
 
@@ -252,7 +319,7 @@ def build_head(cfg: HeadTrainingConfig, *, command: str | None = None, log: Log 
             pg.update(task, completed=step, total=total, info=f"loss {rec['loss']:.3f} acc/step [{accs}]")
 
         head, summary = train_head(fs, model_dir, work, tcfg, extra_vocab_tokens=extra_vocab, data_key=data_key,
-                                   on_step=on_step, log=rank_log, device=dev)
+                                   on_step=on_step, log=rank_log, device=dev, warm=warm)
     if rank != 0:
         return None
     export_head(head, out, metadata={"kind": label, "target": str(model_dir)},
@@ -261,7 +328,7 @@ def build_head(cfg: HeadTrainingConfig, *, command: str | None = None, log: Log 
     size = head_size_bytes(out)
     write_head_provenance(
         out, command=command or f"cartspec draft train --kind {label}", cfg=cfg, tcfg=tcfg, model_dir=model_dir,
-        digest=digest, prompt_desc=prompt_desc, n_greedy=len(prompt_ids), n_sampled=n_s, features=fs,
+        digest=digest, prompt_desc=prompt_desc, n_greedy=n_greedy, n_sampled=n_s, features=fs,
         features_dir=fdir, response_tokens=resp_tokens, head=head, summary=summary, size_bytes=size, device=dev,
         world=world, seconds={"features": t_feat, "total": time.perf_counter() - t_start},
         threads=torch.get_num_threads())
@@ -298,6 +365,7 @@ Built with
   {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens, {response_tokens} response tokens
 - aux layers (vLLM ids = HF hidden_states indices): {fs.layer_ids}; features captured in
   {meta.get("capture_dtype", "bfloat16 (cached before capture followed the machine's dtype)")}
+- start: {_start_line(cfg.init)}
 - head: {param_count(head) / 1e6:.2f} M parameters, draft vocabulary {summary['draft_vocab_size']},
   norm_before_residual={tcfg.norm_before_residual}; `model.safetensors` bf16, {size_bytes / 1e6:.1f} MB
 - training-time test: k={cfg.ttt_steps} steps, weights 0.8^step, lr {cfg.lr} (cosine), {cfg.batch_tokens} tokens/batch,
@@ -309,6 +377,17 @@ Built with
 - training log (loss and accuracy per step, every batch): `training_log.json`
 """)
     return path
+
+
+def _start_line(init: str | None) -> str:
+    if not init:
+        return "random initialisation"
+    from ..model.registry import resolve_head
+    from ..paths import file_digest
+
+    head_dir = resolve_head(init)
+    return (f"warm, from `{init}` (`{head_dir}`, model.safetensors digest "
+            f"{file_digest(head_dir / 'model.safetensors')[:16]}), its draft vocabulary kept")
 
 
 # --- the hybrid's pointer -------------------------------------------------------

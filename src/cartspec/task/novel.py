@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from .data import Request, Turn
@@ -48,19 +49,41 @@ NOVEL_MATERIALS: dict[str, tuple[str, ...]] = {
 }
 
 
+
+
+@dataclass(frozen=True)
+class ValuePools:
+    """The words a substitution draws from: products, brands and materials per category, colours for all."""
+
+    products: dict[str, tuple[str, ...]]
+    brands: dict[str, tuple[str, ...]]
+    colors: tuple[str, ...]
+    materials: dict[str, tuple[str, ...]]
+
+    def words(self) -> set[str]:
+        words = {w for pool in self.products.values() for w in pool}
+        words |= {w for pool in self.brands.values() for w in pool}
+        words |= set(self.colors)
+        words |= {w for pool in self.materials.values() for w in pool}
+        return words
+
+
+NOVEL = ValuePools(NOVEL_PRODUCTS, NOVEL_BRANDS, NOVEL_COLORS, NOVEL_MATERIALS)
+
+
 def all_novel_words() -> set[str]:
-    words = {w for pool in NOVEL_PRODUCTS.values() for w in pool}
-    words |= {w for pool in NOVEL_BRANDS.values() for w in pool}
-    words |= set(NOVEL_COLORS)
-    words |= {w for pool in NOVEL_MATERIALS.values() for w in pool}
-    return words
+    return NOVEL.words()
 
 
 def _pattern(value: str) -> re.Pattern:
     return re.compile(r"(?<![A-Za-z0-9])" + re.escape(value) + r"(?![A-Za-z0-9])", re.IGNORECASE)
 
 
-def substitute(req: Request, rng: random.Random) -> Request | None:
+def substitute(req: Request, rng: random.Random, words: ValuePools = NOVEL,
+               tag: str = "novel") -> Request | None:
+    """``req`` with every product, brand, colour and material of its gold answer replaced, in the gold and
+    in what the shopper wrote, by a word of ``words``; None when a value cannot be replaced consistently
+    (module doc). ``meta["unseen"]`` records ``tag``."""
     gold = req.gold
     if req.task != "search" or not isinstance(gold, dict):
         return None
@@ -81,9 +104,9 @@ def substitute(req: Request, rng: random.Random) -> Request | None:
         return [] if v is None else (list(v) if isinstance(v, list) else [v])
 
     pools: list[tuple[str, tuple[str, ...]]] = [
-        ("keywords", NOVEL_PRODUCTS.get(category, ())), ("brands_include", NOVEL_BRANDS.get(category, ())),
-        ("brands_exclude", NOVEL_BRANDS.get(category, ())), ("colors", NOVEL_COLORS),
-        ("material", NOVEL_MATERIALS.get(category, ()))]
+        ("keywords", words.products.get(category, ())), ("brands_include", words.brands.get(category, ())),
+        ("brands_exclude", words.brands.get(category, ())), ("colors", words.colors),
+        ("material", words.materials.get(category, ()))]
     texts = [req.query] + [t.content for t in req.history if t.role == "user"]
     for key, pool in pools:
         for old in values(key):
@@ -115,7 +138,7 @@ def substitute(req: Request, rng: random.Random) -> Request | None:
 
     new_gold = {k: (sub_value(v) if k in {p[0] for p in pools} else v) for k, v in gold.items()}
     history = [Turn(role=t.role, content=sub_text(t.content)) for t in req.history]
-    meta = {**(req.meta or {}), "unseen": "novel", "replaced": [list(p) for p in plan]}
+    meta = {**(req.meta or {}), "unseen": tag, "replaced": [list(p) for p in plan]}
     return req.model_copy(update={"query": sub_text(req.query), "history": history, "gold": new_gold, "meta": meta})
 
 

@@ -1,0 +1,65 @@
+"""Training requests with values the generator never uses: what teaches a draft head to copy, not recall.
+
+A head trained only on the generator's training split meets the same few hundred products, brands, colours
+and materials again and again, and learns them as words to recall. A shopper's own words (and the novel
+set, ``task.novel``) are not in that list: there the head must follow the target, which copies them from
+the request. ``substituted_requests`` gives search requests of the *training* split (training phrasings
+only) in which every such value is replaced, in the request and in the gold, by a word of the pools below.
+These pools are in no generator pool (seen or held) and in no novel pool, nor share a word with one (a test
+checks), so training on them leaks nothing of the held-out words the test and novel sets measure.
+"""
+
+from __future__ import annotations
+
+import random
+
+from .data import Request
+from .novel import ValuePools, substitute
+
+SUBSTITUTE_WORDS = ValuePools(
+    products={
+        "shoes": ("brogues", "mules", "oxfords", "wellingtons"),
+        "clothing": ("anorak", "tunic", "sarong", "gilet", "culottes"),
+        "electronics": ("projector", "turntable", "synthesizer", "thermostat"),
+        "home": ("ladle", "teapot", "doormat", "ottoman", "sconce"),
+        "beauty": ("bronzer", "tweezers", "cologne", "exfoliant"),
+        "sports": ("paddleboard", "skateboard", "barbell", "carabiner"),
+        "toys": ("pinwheel", "abacus", "dominoes", "harmonica"),
+        "bags": ("knapsack", "holdall", "valise", "pouch"),
+        "jewelry": ("medallion", "diadem", "barrette", "armlet"),
+        "grocery": ("sauerkraut", "hummus", "couscous", "kimchi", "polenta"),
+    },
+    brands={
+        "shoes": ("lowa", "scarpa", "camper"), "clothing": ("belstaff", "boden", "sezane"),
+        "electronics": ("marshall", "fujifilm", "kobo"), "home": ("moccamaster", "staub", "mauviel"),
+        "beauty": ("clarins", "lancome", "caudalie"), "sports": ("mammut", "ortovox", "bauer"),
+        "toys": ("djeco", "haba", "lottie"), "bags": ("bellroy", "tortuga", "topo"),
+        "jewelry": ("bering", "movado", "rolex"), "grocery": ("kusmi", "valrhona", "lurpak"),
+    },
+    colors=("amber", "jade", "scarlet", "cyan", "sepia", "umber", "mulberry", "pistachio"),
+    materials={
+        "shoes": ("vinyl",), "clothing": ("angora", "lyocell", "seersucker"), "home": ("terracotta", "acacia"),
+        "bags": ("oilcloth", "sailcloth"), "jewelry": ("bronze", "onyx"), "sports": ("graphite", "latex"),
+    },
+)
+
+
+def substituted_requests(n: int, seed: int = 0) -> list[Request]:
+    """``n`` search requests of the training split whose values are words of ``SUBSTITUTE_WORDS`` (module
+    doc); the same (n, seed) always gives the same list, and none is a request of ``generate("train", ...,
+    seed=0)`` (another seed)."""
+    from .generator import generate
+
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    rng = random.Random(9_000_011 + seed)
+    out: list[Request] = []
+    batch = 4 * n
+    for req in generate("train", batch, seed=5000 + seed):
+        new = substitute(req, rng, SUBSTITUTE_WORDS, tag="substituted")
+        if new is not None:
+            new.id = f"subst-{len(out):05d}"
+            out.append(new)
+            if len(out) == n:
+                return out
+    raise ValueError(f"only {len(out)} substituted requests from {batch} generated ones")
