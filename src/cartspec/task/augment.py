@@ -11,10 +11,8 @@ checks), so training on them leaks nothing of the held-out words the test and no
 
 from __future__ import annotations
 
-import random
-
 from .data import Request
-from .novel import ValuePools, substitute
+from .novel import ValuePools, substituted
 
 SUBSTITUTE_WORDS = ValuePools(
     products={
@@ -46,20 +44,7 @@ SUBSTITUTE_WORDS = ValuePools(
 
 def substituted_requests(n: int, seed: int = 0) -> list[Request]:
     """``n`` search requests of the training split whose values are words of ``SUBSTITUTE_WORDS`` (module
-    doc); the same (n, seed) always gives the same list, and none is a request of ``generate("train", ...,
-    seed=0)`` (another seed)."""
-    from .generator import generate
-
-    if n < 1:
-        raise ValueError("n must be >= 1")
-    rng = random.Random(9_000_011 + seed)
-    out: list[Request] = []
-    batch = 4 * n
-    for req in generate("train", batch, seed=5000 + seed):
-        new = substitute(req, rng, SUBSTITUTE_WORDS, tag="substituted")
-        if new is not None:
-            new.id = f"subst-{len(out):05d}"
-            out.append(new)
-            if len(out) == n:
-                return out
-    raise ValueError(f"only {len(out)} substituted requests from {batch} generated ones")
+    doc); the same (n, seed) always gives the same list, drawn with another seed than ``generate("train",
+    ..., seed=0)``'s."""
+    return substituted("train", n, seed=5000 + seed, rng_seed=9_000_011 + seed, words=SUBSTITUTE_WORDS,
+                       tag="substituted")

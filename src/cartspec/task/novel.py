@@ -142,25 +142,31 @@ def substitute(req: Request, rng: random.Random, words: ValuePools = NOVEL,
     return req.model_copy(update={"query": sub_text(req.query), "history": history, "gold": new_gold, "meta": meta})
 
 
-def novel_requests(n: int, seed: int = 0) -> list[Request]:
-    """``n`` search requests in the held-out style whose products, brands, colours and materials are
-    words in no generator pool (module doc); the same (n, seed) always gives the same list."""
+def substituted(split: str, n: int, seed: int, rng_seed: int, words: ValuePools, tag: str) -> list[Request]:
+    """The first ``n`` requests of ``generate(split, 4 n, seed)`` that ``substitute`` rewrites with ``words``
+    (ids ``TAG-00000``...); raises ValueError when fewer than ``n`` can be."""
     from .generator import generate
 
     if n < 1:
         raise ValueError("n must be >= 1")
-    rng = random.Random(7_000_003 + seed)
+    rng = random.Random(rng_seed)
     out: list[Request] = []
     batch = 4 * n
-    base = generate("test", batch, seed=1000 + seed)  # a seed the test split (seed 0) never uses
-    for req in base:
-        new = substitute(req, rng)
+    for req in generate(split, batch, seed=seed):
+        new = substitute(req, rng, words, tag)
         if new is not None:
-            new.id = f"novel-{len(out):05d}"
+            new.id = f"{tag}-{len(out):05d}"
             out.append(new)
             if len(out) == n:
                 return out
-    raise ValueError(f"only {len(out)} of {n} novel requests from {batch} generated ones")
+    raise ValueError(f"only {len(out)} of {n} {tag} requests from {batch} generated ones")
+
+
+def novel_requests(n: int, seed: int = 0) -> list[Request]:
+    """``n`` search requests in the held-out style whose products, brands, colours and materials are
+    words in no generator pool (module doc); the same (n, seed) always gives the same list."""
+    # a seed the test split (seed 0) never uses
+    return substituted("test", n, seed=1000 + seed, rng_seed=7_000_003 + seed, words=NOVEL, tag="novel")
 
 
 def novel_traffic(n: int, seed: int, check: list[Request], pool: int | None = None) -> list[Request]:
