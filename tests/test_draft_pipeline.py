@@ -129,3 +129,18 @@ def test_substituted_prompts_are_a_feature_set_of_their_own(tiny_llama_dir, tmp_
     assert [s["temperature"] for s in sampling].count(0.0) == 6
     seeds = {s.get("seed") for s in sampling} - {None}
     assert len(seeds) == 3 and not seeds & {s.get("seed") for s in plain[2]}
+
+
+def test_a_warm_start_widens_the_head_vocabulary_by_the_reply_tokens_it_lacks(tmp_path):
+    import torch
+
+    from cartspec.draft.pipeline import _widened
+    from cartspec.draft.train import WarmStart
+
+    (tmp_path / "config.json").write_text('{"vocab_size": 100}')
+    logs: list[str] = []
+    warm = _widened(WarmStart(head_dir=tmp_path, draft_ids=torch.tensor([1, 2, 3])),
+                    [{"output_ids": [3, 4, 4, 5]}, {"output_ids": [5, 7, 99, 150]}], tmp_path, logs.append)
+    # 4 and 5 are seen twice; 7 and 99 once; 150 is outside the target's vocabulary
+    assert warm.draft_ids.tolist() == [1, 2, 3, 4, 5] and warm.head_dir == tmp_path
+    assert "3 + 2 reply tokens" in logs[0]

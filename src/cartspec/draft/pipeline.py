@@ -387,7 +387,8 @@ def _start_line(init: str | None) -> str:
 
     head_dir = resolve_head(init)
     return (f"warm, from `{init}` (`{head_dir}`, model.safetensors digest "
-            f"{file_digest(head_dir / 'model.safetensors')[:16]}), its draft vocabulary kept")
+            f"{file_digest(head_dir / 'model.safetensors')[:16]}), its draft vocabulary widened by the reply tokens "
+            "it lacked, seen twice or more")
 
 
 # --- the hybrid's pointer -------------------------------------------------------
