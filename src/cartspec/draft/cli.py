@@ -53,7 +53,7 @@ def train(
     limit: Optional[int] = typer.Option(None, help="first N prompts of --prompts FILE only"),
     substituted: int = typer.Option(TRAIN.substituted, help="with --kind domain: N more training-split search "
                                     "requests whose products, brands, colours and materials are words no "
-                                    "generator pool has, so the head learns to copy the shopper's words"),
+                                    "generator pool has (replies that copy words the head never saw as values)"),
     init: Optional[str] = typer.Option(None, "--init", help="start from this head (bundled name, registry or "
                                        "directory; same target) instead of a random one, its draft vocabulary "
                                        "widened by the reply tokens (seen twice or more) it lacks"),

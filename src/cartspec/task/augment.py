@@ -1,4 +1,4 @@
-"""Training requests with values the generator never uses: what teaches a draft head to copy, not recall.
+"""Training requests with values the generator never uses, for a draft head that must copy, not recall.
 
 A head trained only on the generator's training split meets the same few hundred products, brands, colours
 and materials again and again, and learns them as words to recall. A shopper's own words (and the novel
@@ -7,6 +7,10 @@ the request. ``substituted_requests`` gives search requests of the *training* sp
 only) in which every such value is replaced, in the request and in the gold, by a word of the pools below.
 These pools are in no generator pool (seen or held) and in no novel pool, nor share a word with one (a test
 checks), so training on them leaks nothing of the held-out words the test and novel sets measure.
+
+Measured (docs/drafting.md, "Training on from a head"): 800 of them beside the 1,600 plain requests, trained
+on from the bundled head for two more epochs, raised the head's copied values on the novel set from 32.5% to
+35.2% (τ 2.856 to 2.901); how much of that the substituted words did is not known.
 """
 
 from __future__ import annotations

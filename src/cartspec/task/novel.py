@@ -49,8 +49,6 @@ NOVEL_MATERIALS: dict[str, tuple[str, ...]] = {
 }
 
 
-
-
 @dataclass(frozen=True)
 class ValuePools:
     """The words a substitution draws from: products, brands and materials per category, colours for all."""
