@@ -52,8 +52,8 @@ class EngineTrace(BaseModel):
     many, and per step the time spent drafting and on the rest (the target's verify forward, sampling), of
     those the time in Python's garbage collector, the mean batch, the prompts' share of the tokens the target
     ran, the time of a step that prefilled no prompt and the share of the time in steps that did, and the share
-    of drafted tokens kept where drafts are cut per request. Steps are shared by the requests in flight together; the engine writes its counters every 0.2 s, so a call shorter than that may
-    see none."""
+    of drafted tokens kept where drafts are cut per request. Steps are shared by the requests in flight
+    together; the engine writes its counters every 0.2 s, so a call shorter than that may see none."""
 
     steps: int = 0
     draft_ms: float | None = None

@@ -176,6 +176,18 @@ def _warm_start(init: str, digest: str) -> Any:
     return WarmStart(head_dir=head_dir, draft_ids=head_draft_ids(head_dir))
 
 
+def _start_line(init: str | None, warm: Any) -> str:
+    """The provenance's ``start`` line; taken before training, so that a head exported over its own parent
+    (``--replace-bundled``) still names the parent's weights."""
+    if warm is None:
+        return "random initialisation"
+    from ..paths import file_digest
+
+    return (f"warm, from `{init}` (`{warm.head_dir}`, model.safetensors digest "
+            f"{file_digest(Path(warm.head_dir) / 'model.safetensors')[:16]}), its draft vocabulary widened by the "
+            "reply tokens it lacked, seen twice or more")
+
+
 def _widened(warm: Any, records: list[dict[str, Any]], model_dir: Path, log: Log) -> Any:
     """``warm`` with its draft vocabulary widened by every reply token seen at least twice that it lacks
     (``train.widen_vocab``, as ``cartspec draft refresh`` does): a head cannot learn to draft a token its
@@ -244,6 +256,7 @@ def build_head(cfg: HeadTrainingConfig, *, command: str | None = None, log: Log 
         raise DraftPipelineError(f"--out {out} is inside the bundled heads; a trained head goes elsewhere (default "
                                  "runs/heads/) unless --replace-bundled says to replace a bundled one")
     warm = _warm_start(cfg.init, digest) if cfg.init else None
+    start_line = _start_line(cfg.init, warm)
     rank, world = distributed()
     rank_log: Log = log if rank == 0 else _noop
     t_start = time.perf_counter()
@@ -330,6 +343,7 @@ def build_head(cfg: HeadTrainingConfig, *, command: str | None = None, log: Log 
         out, command=command or f"cartspec draft train --kind {label}", cfg=cfg, tcfg=tcfg, model_dir=model_dir,
         digest=digest, prompt_desc=prompt_desc, n_greedy=n_greedy, n_sampled=n_s, features=fs,
         features_dir=fdir, response_tokens=resp_tokens, head=head, summary=summary, size_bytes=size, device=dev,
+        start=start_line,
         world=world, seconds={"features": t_feat, "total": time.perf_counter() - t_start},
         threads=torch.get_num_threads())
     return HeadTrainingResult(out=out, size_bytes=size, steps=summary["steps"], training_seconds=summary["seconds"],
@@ -340,7 +354,7 @@ def write_head_provenance(out: Path, *, command: str, cfg: HeadTrainingConfig, t
                           digest: str, prompt_desc: str, n_greedy: int, n_sampled: int, features: Any,
                           features_dir: Path, response_tokens: int, head: Any, summary: dict[str, Any],
                           size_bytes: int, device: str, world: int, seconds: dict[str, float],
-                          threads: int) -> Path:
+                          threads: int, start: str = "random initialisation") -> Path:
     """PROVENANCE.md beside the exported head: the command, the target, the data and how training went."""
     import json
 
@@ -365,7 +379,7 @@ Built with
   {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens, {response_tokens} response tokens
 - aux layers (vLLM ids = HF hidden_states indices): {fs.layer_ids}; features captured in
   {meta.get("capture_dtype", "bfloat16 (cached before capture followed the machine's dtype)")}
-- start: {_start_line(cfg.init)}
+- start: {start}
 - head: {param_count(head) / 1e6:.2f} M parameters, draft vocabulary {summary['draft_vocab_size']},
   norm_before_residual={tcfg.norm_before_residual}; `model.safetensors` bf16, {size_bytes / 1e6:.1f} MB
 - training-time test: k={cfg.ttt_steps} steps, weights 0.8^step, lr {cfg.lr} (cosine), {cfg.batch_tokens} tokens/batch,
@@ -377,18 +391,6 @@ Built with
 - training log (loss and accuracy per step, every batch): `training_log.json`
 """)
     return path
-
-
-def _start_line(init: str | None) -> str:
-    if not init:
-        return "random initialisation"
-    from ..model.registry import resolve_head
-    from ..paths import file_digest
-
-    head_dir = resolve_head(init)
-    return (f"warm, from `{init}` (`{head_dir}`, model.safetensors digest "
-            f"{file_digest(head_dir / 'model.safetensors')[:16]}), its draft vocabulary widened by the reply tokens "
-            "it lacked, seen twice or more")
 
 
 # --- the hybrid's pointer -------------------------------------------------------
