@@ -181,6 +181,41 @@ class AdaptiveRow(BaseModel):
     vs_same_gamma_ci95: tuple[float, float] | None = None
 
 
+class PairRow(BaseModel):
+    """A hybrid point beside the head alone at the same γ and load: its τ gain and the speed it kept
+    (``analysis.pairs``)."""
+
+    deployment: str
+    head_deployment: str
+    temperature: float
+    mode: Literal["closed", "open"] = "closed"
+    concurrency: int | None = None
+    rate: float | None = None
+    request_set: str = "commerce"
+    gamma: int | None = None
+    tau: float
+    head_tau: float
+    tau_ratio: float
+    ratio: float = Field(..., description="output throughput over the head alone's")
+    ratio_ci95: tuple[float, float] | None = Field(None, description="95% interval from the slices (rounds only)")
+    goal: float = Field(..., description="1 + 0.8 × (tau_ratio − 1)")
+    meets_goal: bool
+    prefill_time_share: float | None = Field(None, description="the head point's share of step time in steps "
+                                                               "that prefilled a prompt")
+    attainable: float | None = Field(None, description="the ratio with equal step costs: 1 / ((1 − s) / r + s)")
+    kept: float | None = Field(None, description="(ratio − 1) / (attainable − 1)")
+    goal_attainable: bool | None = Field(None, description="goal ≤ attainable: whether any drafter with this τ "
+                                                           "could meet the goal at this prefill share")
+    draft_ms: float | None = None
+    head_draft_ms: float | None = None
+    decode_ms: float | None = None
+    head_decode_ms: float | None = None
+
+    @property
+    def load(self) -> str:
+        return load_label(self.mode, self.concurrency, self.rate)
+
+
 class CostModelFit(BaseModel):
     """The machine's fitted step costs and how well they predict this run's points."""
 
@@ -253,7 +288,12 @@ class StudyAnalysis(BaseModel):
     definitions: dict[str, str] = Field(default_factory=lambda: dict(DEFINITIONS))
     cost_model: CostModelSection = Field(default_factory=lambda: CostModelMissing(reason="no points"))
     adaptive: list[AdaptiveRow] = Field(default_factory=list)
+    hybrid_pairs: list[PairRow] | None = Field(None, description="each hybrid point beside the head alone at "
+                                               "the same γ and load: its τ gain and the speed it kept; absent "
+                                               "where the run has no such pair")
     acceptance_by_class: list[ClassAcceptance] = Field(default_factory=list)
+
+    _without_absent_pairs = omit_when_none("hybrid_pairs")  # a run without hybrids: the summary as before
 
     @property
     def ok_points(self) -> list[StudyRow]:

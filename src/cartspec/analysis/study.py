@@ -1,6 +1,6 @@
 """A study run, analysed: ``results.jsonl`` (+ ``run.json``, ``quality.json``) -> a typed ``StudyAnalysis``.
 
-Every figure the report shows is computed from the results file (``rows``, ``capacity``, ``adaptive``, the
+Every figure the report shows is computed from the results file (``rows``, ``capacity``, ``adaptive``, ``pairs``, the
 cost model, the classes), so ``cartspec report --run DIR`` rebuilds the same analysis at any time; the
 sentences that state them are the report's (``report/prose.py``). Speedups are ratios of points measured in
 the same run on the same machine: absolute times on shared machines drift, ratios hold.
@@ -13,6 +13,7 @@ from pathlib import Path
 from ..quality.models import QualityReport
 from ..results import PointResult, RunManifest, load_results, patch_summary
 from .adaptive import adaptive_table
+from .pairs import pair_table
 from .capacity import capacity_table
 from .models import CostModelFit, CostModelMissing, QualityJudge, RunInfo, StudyAnalysis
 from .rows import quality_tests, study_rows
@@ -66,7 +67,8 @@ def analyse(results: list[PointResult], manifest: RunManifest | None = None, run
         quality=quality.entries if quality else [],
         quality_judge=judge, quality_metric=quality.metric if quality else None,
         quality_margin=quality.margin if quality else None, cost_model=cost_model_section(results),
-        adaptive=adaptive_table(rows, results), acceptance_by_class=acceptance_by_class(results))
+        adaptive=adaptive_table(rows, results), hybrid_pairs=pair_table(rows, results) or None,
+        acceptance_by_class=acceptance_by_class(results))
 
 
 def analyse_run(run_dir: str | Path, target_rps: float | None = None, slo: float | None = None) -> StudyAnalysis:

@@ -278,7 +278,7 @@ def render_report(analysis: StudyAnalysis, run_dir: str | Path) -> Report:
         summary=analysis, figures=plots(analysis.points, analysis.slo_e2el_s), rows=analysis.points,
         caps=analysis.capacity, comparison=analysis.published_comparison, verdict=analysis.verdict,
         slo=analysis.slo_e2el_s, target=analysis.target_rps, tests=analysis.quality_tests, cost=cost,
-        cost_plot=cost_plot, adaptive=analysis.adaptive,
+        cost_plot=cost_plot, adaptive=analysis.adaptive, pairs=analysis.hybrid_pairs or [],
         by_class_html=Markup(by_class_html(analysis.acceptance_by_class)), quality_html=_quality_html(quality)))
     return Report(html=html_path, summary=summary_path, verdict=analysis.verdict, rows=analysis.points,
                   analysis=analysis)

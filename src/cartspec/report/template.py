@@ -121,7 +121,24 @@ drafting alike, so that ratio shows how far two servers doing the same work meas
 <td class="{{ 'good' if a.meets else ('' if a.within_noise else 'bad') }}">{{ "met" if a.meets else ("within noise" if a.within_noise else "missed") }}</td>
 <td>{% if a.same_gamma %}{{ num(a.vs_same_gamma, 2) }}{% if a.vs_same_gamma_ci95 %} [{{ num(a.vs_same_gamma_ci95[0], 2) }}–{{ num(a.vs_same_gamma_ci95[1], 2) }}]{% endif %} ({{ a.same_gamma }}){% else %}–{% endif %}</td></tr>{% endfor %}</table>{% endif %}
 
-{{ by_class_html }}
+{% if pairs %}<h2>The hybrid beside its head: τ into speed</h2>
+<p>Each hybrid point over the head alone at the same γ and load (the same head, temperature and request set). A reply's
+decoding steps fall as τ rises; the steps that prefill a prompt do not. "Attainable": the ratio the τ gain would give
+with equal step costs, the head's share of time in prefilling steps s kept as it was: 1 / ((1 − s) / (τ ratio) + s).
+"Kept": the share of that gain the hybrid kept, (ratio − 1) / (attainable − 1); its own work per step is the difference
+in drafting ms. Goal: 1 + 0.8 × (τ ratio − 1), as if every step decoded; "out of reach" where it is above the attainable
+ratio.{% if pairs | selectattr("ratio_ci95") | list %} Brackets: 95% interval from the point's slices.{% endif %}</p>
+<table id="pairs"><tr><th class="l">hybrid</th><th class="l">head alone</th><th>T</th><th>load</th><th>τ / head's</th>
+<th>τ ratio</th><th>× head</th><th>goal</th><th>prefill, in time</th><th>attainable</th><th>kept</th>
+<th>drafting ms / head's</th><th>decoding step ms / head's</th></tr>
+{% for p in pairs %}<tr><td class="l">{{ p.deployment }}</td><td class="l">{{ p.head_deployment }}</td><td>{{ p.temperature }}</td>
+<td>{{ p.concurrency if p.mode == "closed" else p.rate ~ "/s" }}</td><td>{{ num(p.tau, 2) }} / {{ num(p.head_tau, 2) }}</td>
+<td>{{ num(p.tau_ratio, 3) }}</td><td>{{ num(p.ratio, 3) }}{% if p.ratio_ci95 %} [{{ num(p.ratio_ci95[0], 2) }}–{{ num(p.ratio_ci95[1], 2) }}]{% endif %}</td>
+<td class="{{ 'good' if p.meets_goal else ('' if p.goal_attainable == false else 'bad') }}">{{ num(p.goal, 3) }} {{ "met" if p.meets_goal else ("out of reach" if p.goal_attainable == false else "missed") }}</td>
+<td>{{ pct(p.prefill_time_share) }}</td><td>{{ num(p.attainable, 3) }}</td><td>{{ pct(p.kept) }}</td>
+<td>{{ num(p.draft_ms, 1) }} / {{ num(p.head_draft_ms, 1) }}</td><td>{{ num(p.decode_ms, 1) }} / {{ num(p.head_decode_ms, 1) }}</td></tr>{% endfor %}</table>
+
+{% endif %}{{ by_class_html }}
 <h2>Cost model of this machine</h2>
 {% if cost.fitted %}<p>Each decode step with b sequences drafting γ tokens costs s = α + β·b·(γ+1) + γ·(δ + ε·b) and
 advances each sequence by τ = 1 + Σ<sub>i≤γ</sub> p<sub>i</sub> tokens; each request's prompt costs π per token. So
