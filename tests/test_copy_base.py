@@ -146,27 +146,6 @@ def test_a_words_rest_goes_before_the_heads_close_and_the_gate_does_not_judge_it
     assert base(other, ctx, len(WORD_PROMPT), cfg, INFO) == other
 
 
-def test_a_close_the_head_drafts_twice_stays_where_the_copied_word_ends():
-    """A head that cannot draft a word's last token (outside its draft vocabulary) drafts the close in its place
-    and again one position later, where the word does end: its tokens from there stay in place after the
-    copied rest (not shifted behind it, which would draft the close twice); the same in a lookup cut at the
-    head's close, which keeps the one token the head could not draft."""
-    from cartspec.drafting.copying import cut_at_close, repeats_close
-
-    twice = _ids('"],', '"],', "colors")
-    assert repeats_close(twice, 0, 1) and not repeats_close(twice, 0, 2) and not repeats_close(twice, 0, 3)
-    assert splice(twice, _ids("use"), INFO) == _ids("use", '"],', "colors")
-    # a close drafted once is shifted behind the copy, as before
-    assert splice(_ids('"],', "colors", '":'), _ids("use"), INFO) == _ids("use", '"],', "colors")
-    # a two-token rest: the close drafted again where it ends (position 2) keeps the head's tokens from there
-    assert splice(_ids('"],', "x", '"],'), _ids("re", "use"), INFO) == _ids("re", "use", '"],')
-    assert cut_at_close(_ids("re", "use", " shoes"), _ids("re", '"],', '"],'), INFO) == _ids("re", "use")
-    assert cut_at_close(_ids("re", "use", " shoes"), _ids("re", '"],', "colors"), INFO) == _ids("re")
-    ctx = WORD_PROMPT + COLORS + _ids("chart", "re")
-    cfg = HybridConfig(3, 4, "text", "prompt", head_p=0.9)
-    assert propose(twice, ctx, len(WORD_PROMPT), cfg, INFO, conf=[0.99, 0.99, 0.99]) == _ids("use", '"],', "colors")
-
-
 class _Pointer:
     def __init__(self, no):
         self.no = no

@@ -148,33 +148,18 @@ JOINERS = "_-"  # a token that starts so continues an identifier: ``"price`` + `
 def splice(head: Sequence[int], rest: Sequence[int], info: TokenInfo) -> list[int]:
     """``rest`` over the first positions of ``head``; where the head closes the value inside them (its token
     is JSON structure where it first differs), its draft from that token on follows ``rest`` instead: k
-    tokens. But where the head drafts that close again at the position where ``rest`` ends, its draft from
-    there is kept in place (``repeats_close``). Where the head goes on as an identifier (a token starting
-    with one of ``JOINERS``: ``"refund`` + ``_window`` where the shopper wrote "refunds"), ``head``
-    unchanged: the value is an enum that starts like the shopper's word."""
+    tokens. Where the head goes on there as an identifier (a token starting with one of ``JOINERS``:
+    ``"refund`` + ``_window`` where the shopper wrote "refunds"), ``head`` unchanged: the value is an enum
+    that starts like the shopper's word."""
     head, rest = list(head), list(rest)[:len(head)]
     for j, r in enumerate(rest):
         if head[j] != r:
             if info.structure[head[j]]:
-                if repeats_close(head, j, len(rest)):
-                    break
                 return (rest + head[j:])[:len(head)]
             if info.texts is not None and info.texts[head[j]][:1] in JOINERS:
                 return head
             break
     return rest + head[len(rest):]
-
-
-def repeats_close(head: Sequence[int], j: int, m: int) -> bool:
-    """The head, which closes a value at draft position ``j``, drafts the same close again at position ``m``
-    (> ``j``): its tokens from ``m`` on follow a value that ends there, ``m − j`` tokens longer than its own.
-    An EAGLE-3 head does this where the value's next token is outside its draft vocabulary, a word no
-    generator used (``chartre`` + ``use``): it cannot draft that token, drafts the close in its place, and
-    drafts the close again one position later, where the value does end. Its tokens from ``m`` on are then
-    right where the copy fills ``j`` to ``m``, and shifting them after the copy drafts the close twice
-    (the novel set in the simulator, rule ``pointer`` at γ=3: the head's JSON structure after a copied word
-    96.6% → 97.6% accepted, τ 3.495 → 3.513; docs/drafting.md, "A close drafted twice")."""
-    return j < m < len(head) and head[m] == head[j]
 
 
 def prompt_continuation(cont: str, k: int, encode: Any, lower: bool = False) -> list[int]:
@@ -220,10 +205,8 @@ def anchor_lookup(head: Sequence[int], context: Sequence[int], prompt_len: int, 
 
 def cut_at_close(look: Sequence[int], head: Sequence[int], info: TokenInfo) -> list[int]:
     """``look`` up to the first position where it differs from ``head`` and the head's token is JSON
-    structure: the head closes the value (or the array) there, while the prompt's sentence goes on. One
-    token further where the head drafts that close again at the next position (``repeats_close``): the
-    value is one token longer than the head could draft."""
+    structure: the head closes the value (or the array) there, while the prompt's sentence goes on."""
     for j in range(min(len(look), len(head))):
         if look[j] != head[j] and info.structure[head[j]]:
-            return list(look[:j + 1] if repeats_close(head, j, j + 1) else look[:j])
+            return list(look[:j])
     return list(look)
