@@ -117,9 +117,10 @@ def _rope(x, pos, theta):
     return torch.cat([z.real, z.imag], dim=-1).float()
 
 
-def reference_chain(head: Eagle3Head, embed, ids, aux, i, steps):
+def reference_chain(head: Eagle3Head, embed, ids, aux, i, steps, own=False):
     """First pass over positions 0..i with target features, then ``steps`` chain
-    steps, each appending its key/value to the cache (what vLLM does)."""
+    steps, each appending its key/value to the cache (what vLLM does); ``own``: each step after the first
+    reads the token the step before drafted (vLLM), not the target's."""
     c = head.cfg
     ml = head.midlayer
     at = ml.self_attn
@@ -151,7 +152,8 @@ def reference_chain(head: Eagle3Head, embed, ids, aux, i, steps):
     logits, h = layer(ids[i + 1], hs[i], i)
     out = [logits]
     for s in range(1, steps):
-        logits, h = layer(ids[i + 1 + s], h, i + s)
+        tok = head.to_target(logits.argmax(-1)) if own else ids[i + 1 + s]
+        logits, h = layer(tok, h, i + s)
         out.append(logits)
     return out
 
@@ -171,3 +173,38 @@ def test_unroll_equals_step_by_step_chain_drafting(nbr):
             ref = reference_chain(head, embed, ids[b], aux[b], i, 4)
             for s in range(4):
                 torch.testing.assert_close(outs[s]["logits"][n], ref[s], rtol=2e-4, atol=2e-4)
+
+
+def test_unroll_on_its_own_tokens_is_vllms_chain_and_agrees_with_teacher_forcing_up_to_its_first_miss():
+    """``own_tokens``: each step reads the head's own draft (vLLM's chain), step by step as the reference does;
+    its drafts equal the teacher-forced ones up to the first position where the head missed the target's
+    token, and where it missed, what follows is drafted from its own token (a hybrid keeps those)."""
+    head = make_head(seed=3)
+    torch.manual_seed(4)
+    T = 14
+    ids = torch.randint(0, VD, (1, T))  # target ids inside the draft vocabulary (d2t is the identity)
+    aux = torch.randn(1, T, 3 * H)
+    embed = torch.randn(V, H)
+    starts = torch.tensor([(0, i) for i in range(T - 1)])
+    with torch.no_grad():
+        own = head.unroll(embed, ids, aux, torch.tensor([T]), starts, steps=3, own_tokens=True)
+        forced = head.unroll(embed, ids, aux, torch.tensor([T]), starts, steps=3)
+        for n, i in enumerate(starts[:, 1].tolist()):
+            ref = reference_chain(head, embed, ids[0], aux[0], i, 3, own=True)
+            for s in range(3):
+                torch.testing.assert_close(own[s]["logits"][n], ref[s], rtol=2e-4, atol=2e-4)
+    d_own = torch.stack([head.to_target(o["logits"].argmax(-1)) for o in own], 1)
+    d_forced = torch.stack([head.to_target(o["logits"].argmax(-1)) for o in forced], 1)
+    torch.testing.assert_close(d_own[:, 0], d_forced[:, 0])
+    missed = 0
+    for n, i in enumerate(starts[:, 1].tolist()[:-1]):
+        # teacher-forced on targets whose next token is the head's own draft: the same step 1 as its own chain
+        alt = ids.clone()
+        alt[0, i + 2] = d_own[n, 0]
+        with torch.no_grad():
+            f = head.unroll(embed, alt, aux, torch.tensor([T]), starts[n:n + 1], steps=2)
+        torch.testing.assert_close(f[1]["logits"][0], own[1]["logits"][n], rtol=1e-4, atol=1e-4)
+        if d_own[n, 0] != ids[0, i + 2]:  # a miss: the two chains read different tokens at step 1
+            missed += 1
+            assert not torch.allclose(own[1]["logits"][n], forced[1]["logits"][n])
+    assert missed  # a random head misses

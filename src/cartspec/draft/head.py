@@ -277,7 +277,8 @@ class Eagle3Head(nn.Module):
 
     # --- the training-time test / chain drafting ---------------------------------
     def unroll(self, embed: nn.Embedding | torch.Tensor, input_ids: torch.Tensor, aux: torch.Tensor,
-               lengths: torch.Tensor, starts: torch.Tensor, steps: int) -> list[dict[str, torch.Tensor]]:
+               lengths: torch.Tensor, starts: torch.Tensor, steps: int,
+               own_tokens: bool = False) -> list[dict[str, torch.Tensor]]:
         """Chain-draft ``steps`` tokens from every chain start, teacher-forced.
 
         ``input_ids`` [B, T] are the target tokens (prompt + response), ``aux``
@@ -286,6 +287,11 @@ class Eagle3Head(nn.Module):
         starts. Step ``s`` of the chain at ``i`` reads token ``x[i+1+s]`` and
         predicts ``x[i+2+s]``, at position ``i+s``. Returns per step a dict
         with ``logits`` [N, Vd] and ``valid`` [N] (the predicted position exists).
+
+        ``own_tokens``: step ``s`` > 0 reads the token the head drafted at step ``s − 1`` (its argmax, as
+        vLLM's chain drafting does) instead of the target's ``x[i+1+s]``. The two drafts agree up to the
+        head's first wrong token, so the head's acceptance is the same; they differ after it, where a
+        hybrid puts a copy and keeps the head's later tokens, which vLLM drafted from the head's own.
         """
         a = self.midlayer.self_attn
         B, T = input_ids.shape
@@ -314,10 +320,11 @@ class Eagle3Head(nn.Module):
         diag_k: list[torch.Tensor] = []
         diag_v: list[torch.Tensor] = []
         out: list[dict[str, torch.Tensor]] = []
+        drafted = None
         for s in range(steps):
             tok_pos = ti + 1 + s
             valid = tok_pos + 1 < lengths[bi]
-            tok = input_ids[bi, tok_pos.clamp(max=T - 1)]
+            tok = drafted if own_tokens and s > 0 else input_ids[bi, tok_pos.clamp(max=T - 1)]
             x, residual = self._qkv_in(F.embedding(tok, emb_w).to(hidden.dtype), hidden)
             cs, sn = self._rope(ti + s)
             q = self._q(x, cs, sn)  # [N, nh, d]
@@ -345,6 +352,8 @@ class Eagle3Head(nn.Module):
                 att = att + extra
             logits, hidden = self._after_attn(att.to(x.dtype), residual)
             out.append({"logits": logits, "valid": valid, "hidden": hidden})
+            if own_tokens:
+                drafted = self.to_target(logits.argmax(-1))
         return out
 
 

@@ -118,7 +118,9 @@ def steps_from_vllm(per_step_accepted: Sequence[int], per_step_drafted: Sequence
 def draft_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, s: int, gamma: int,
                       with_probs: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """[n_starts, gamma] target ids proposed from every chain start ``i`` in
-    ``[P-1, L-2]`` of sequence ``s`` (teacher-forced); ``with_probs``: also the head's probability of
+    ``[P-1, L-2]`` of sequence ``s``, each position drafted from the head's own token before it, as vLLM
+    drafts (``Eagle3Head.unroll`` with ``own_tokens``: a hybrid that copies into the head's draft keeps
+    the head's later tokens as vLLM drafted them); ``with_probs``: also the head's probability of
     each (softmax over its draft vocabulary, as vLLM's drafter has it: the rest of the vocabulary is -inf)."""
     sl = fs.seq(s)
     L = sl.stop - sl.start
@@ -129,7 +131,7 @@ def draft_predictions(head: Eagle3Head, embed: torch.Tensor, fs: FeatureSet, s: 
     if starts.numel() == 0:
         empty = torch.zeros(0, gamma, dtype=torch.long)
         return (empty, torch.zeros(0, gamma)) if with_probs else empty
-    outs = head.unroll(embed, ids, aux, torch.tensor([L]), starts, gamma)
+    outs = head.unroll(embed, ids, aux, torch.tensor([L]), starts, gamma, own_tokens=True)
     pred = torch.stack([head.to_target(o["logits"].argmax(-1)) for o in outs], dim=1)
     if not with_probs:
         return pred
