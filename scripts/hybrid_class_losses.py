@@ -1,6 +1,6 @@
 """Where the hybrid loses a token class the head alone keeps (an experiment behind the head's gate).
 
-Replays the head alone and rule ``pointer`` (``drafting.rules``, the simulator's teacher-forced chains,
+Replays the head alone and rule ``pointer`` (``drafting.rules``, the simulator's chains,
 ``draft.simulate``) on the target's greedy replies and places every output token of CLASS in one of
 three states per drafter: accepted (a draft of it was accepted), rejected (a draft of it was the step's
 rejected one) or bonus (never drafted: the target's token after all γ drafts were accepted). Prints the
