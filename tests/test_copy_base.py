@@ -146,6 +146,26 @@ def test_a_words_rest_goes_before_the_heads_close_and_the_gate_does_not_judge_it
     assert base(other, ctx, len(WORD_PROMPT), cfg, INFO) == other
 
 
+def test_the_heads_close_after_its_own_word_follows_the_rest_of_the_prompts():
+    """Where the head drafts another word than the prompt's and closes it later, its close follows the prompt's
+    rest whatever the two words' lengths (it drafted from its own word), the head's later tokens filling the
+    draft to k; without a close in its draft, the rest is laid over it as before."""
+    # the head's one-token word, then its close: the prompt's two-token rest goes before that close
+    assert splice(_ids("x", '"],', "colors"), _ids("re", "use"), INFO) == _ids("re", "use", '"],')
+    # the head's two-token number then its close, the prompt's number ends after one: the close follows it,
+    # and the head's tokens after the close fill the draft
+    assert splice(_ids("5", "0", ","), _ids("0"), INFO) == _ids("0", ",", ",")
+    assert splice(_ids("5", "0", ",", " "), _ids("0"), INFO) == _ids("0", ",", " ", " ")
+    # the close where the rest ends already: laid over, as before
+    assert splice(_ids("x", '"],', "colors"), _ids("use"), INFO) == _ids("use", '"],', "colors")
+    # no close in the head's draft: laid over
+    assert splice(_ids("9", ".", "9"), _ids("0"), INFO) == _ids("0", ".", "9")
+    ctx = WORD_PROMPT + COLORS + _ids("chart")
+    cfg = HybridConfig(3, 4, "text", "prompt", head_p=0.9)
+    assert propose(_ids("x", '"],', "colors"), ctx, len(WORD_PROMPT), cfg, INFO,
+                   conf=[0.99, 0.99, 0.99]) == _ids("re", "use", '"],')
+
+
 class _Pointer:
     def __init__(self, no):
         self.no = no

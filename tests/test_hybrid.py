@@ -517,8 +517,10 @@ def test_text_behaves_like_anchor_where_a_lookup_matches_or_no_text_does():
              _tids("brown", "keywords", '":'), _tids("ref", '",', "keywords"), _tids("search", "xx", "keywords")]
     for prompt, reply in cases:
         for head in heads:
-            if info.structure[head[0]] and word_rest(prompt + reply, len(prompt), 3, info):
-                continue  # the head closes "cal" inside the prompt's "calvin": rule text drafts the word's rest
+            if any(info.structure[t] for t in head) and word_rest(prompt + reply, len(prompt), 3, info):
+                # the head closes "cal" inside the prompt's "calvin", or closes a word of its own: rule text drafts
+                # the word's rest, then the head's close
+                continue
             assert (propose(head, prompt + reply, len(prompt), TEXT, info)
                     == propose(head, prompt + reply, len(prompt), anchor, info)), (reply, head)
     closing = _tids('"],', "keywords", '":')

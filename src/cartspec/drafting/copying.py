@@ -146,11 +146,19 @@ JOINERS = "_-"  # a token that starts so continues an identifier: ``"price`` + `
 
 
 def splice(head: Sequence[int], rest: Sequence[int], info: TokenInfo) -> list[int]:
-    """``rest`` over the first positions of ``head``; where the head closes the value inside them (its token
-    is JSON structure where it first differs), its draft from that token on follows ``rest`` instead: k
-    tokens. Where the head goes on there as an identifier (a token starting with one of ``JOINERS``:
-    ``"refund`` + ``_window`` where the shopper wrote "refunds"), ``head`` unchanged: the value is an enum
-    that starts like the shopper's word."""
+    """``rest`` over the first positions of ``head``, with the head's close after it: k tokens.
+
+    * Where the head closes the value inside ``rest``'s positions (its token is JSON structure where it
+      first differs), its draft from that token on follows ``rest``.
+    * Where it drafts another word there (``25`` for the shopper's ``20``, ``car`` for ``inky`` of
+      "slinky") and closes that word later in its draft, its draft from that close on follows ``rest``, its
+      later tokens filling what is left: ``rest`` ends where the prompt's word or number does, and the
+      head, drafting from its own tokens, put its close after its own word, one or more positions off.
+    * Where the head goes on as an identifier (a token starting with one of ``JOINERS``: ``"refund`` +
+      ``_window`` where the shopper wrote "refunds"), ``head`` unchanged: the value is an enum that starts
+      like the shopper's word.
+
+    Otherwise ``rest`` is laid over the head's first positions."""
     head, rest = list(head), list(rest)[:len(head)]
     for j, r in enumerate(rest):
         if head[j] != r:
@@ -158,6 +166,10 @@ def splice(head: Sequence[int], rest: Sequence[int], info: TokenInfo) -> list[in
                 return (rest + head[j:])[:len(head)]
             if info.texts is not None and info.texts[head[j]][:1] in JOINERS:
                 return head
+            close = next((q for q in range(j + 1, len(head)) if info.structure[head[q]]), None)
+            if close is not None and close != len(rest):
+                out = rest + head[close:]
+                return (out + head[len(out):])[:len(head)]
             break
     return rest + head[len(rest):]
 
