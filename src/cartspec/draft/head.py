@@ -279,7 +279,7 @@ class Eagle3Head(nn.Module):
     def unroll(self, embed: nn.Embedding | torch.Tensor, input_ids: torch.Tensor, aux: torch.Tensor,
                lengths: torch.Tensor, starts: torch.Tensor, steps: int,
                own_tokens: bool = False) -> list[dict[str, torch.Tensor]]:
-        """Chain-draft ``steps`` tokens from every chain start, teacher-forced.
+        """Chain-draft ``steps`` tokens from every chain start, teacher-forced (or from its own: ``own_tokens``).
 
         ``input_ids`` [B, T] are the target tokens (prompt + response), ``aux``
         [B, T, n_aux*Ht] the target's aux hidden states, ``lengths`` [B] the
