@@ -28,9 +28,7 @@ def adaptive_table(rows: list[StudyRow], results: list[PointResult]) -> list[Ada
     for a in ok:
         if a.deployment not in schedules:
             continue
-        same = [r for r in ok if r.deployment not in schedules and r.temperature == a.temperature
-                and r.mode == a.mode and r.concurrency == a.concurrency and r.rate == a.rate
-                and r.request_set == a.request_set]
+        same = [r for r in ok if r.deployment not in schedules and r.point == a.point]
         if not same:
             continue
         best = max(same, key=lambda r: r.output_throughput)

@@ -110,6 +110,12 @@ class StudyRow(BaseModel):
         """Output throughput over the baseline's at the same load, temperature and request set."""
         return self.speedup_vs_baseline
 
+    @property
+    def point(self) -> tuple:
+        """Where the row was measured: temperature, load and request set; rows of several deployments with
+        the same ``point`` were measured alike and compare."""
+        return (self.temperature, self.mode, self.concurrency, self.rate, self.request_set)
+
 
 class CapacityRow(BaseModel):
     """The most goodput one instance of a deployment gave under the SLO, and the instances a target needs."""

@@ -50,9 +50,7 @@ def pair_table(rows: list[StudyRow], results: list[PointResult]) -> list[PairRow
         if a.method != "hybrid":
             continue
         b = next((r for r in ok if r.method == "eagle3" and r.head == a.head and r.gamma == a.gamma
-                  and _draft_stop(r, specs) == _draft_stop(a, specs) and r.temperature == a.temperature
-                  and r.mode == a.mode and r.concurrency == a.concurrency and r.rate == a.rate
-                  and r.request_set == a.request_set), None)
+                  and _draft_stop(r, specs) == _draft_stop(a, specs) and r.point == a.point), None)
         if b is None:
             continue
         r_tau = a.tau / b.tau
