@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from cartspec.drafting.length import STOP_P
 from cartspec.results import DeploymentInfo, load_results, results_path
 from cartspec.bench.reporter import SilentReporter
 from cartspec.bench.sweep import SweepPlan, parse_deployment, preset, run_sweep
@@ -88,7 +89,7 @@ def test_presets_match_the_published_grid(monkeypatch, suffix):
     # and 5, then the drafters that need no head (n-gram, the schema drafter) and suffix decoding where it is
     # installed
     assert [d.label for d in p.deployments] == ["baseline", "eagle3-domain-g3", "eagle3-domain-g5",
-                                                "eagle3-domain-auto", "eagle3-domain-stop0.5-g5",
+                                                "eagle3-domain-auto", f"eagle3-domain-stop{STOP_P:g}-g5",
                                                 "hybrid-domain-g3", "hybrid-domain-g5",
                                                 "ngram-g3", "schema-g3", *(["suffix-g3"] if suffix else [])]
     assert p.interleave == 4  # the four deployments the adaptive verdict compares are measured side by side

@@ -55,7 +55,7 @@ def test_the_spec_the_label_and_the_study_carry_the_threshold():
     r = parse_deployment("hybrid-pointer:domain:3:stop0.6", "commerce").speculative
     assert (r.hybrid.rule, r.draft_stop, r.num_speculative_tokens) == ("pointer", 0.6, 3)
     env = VllmServer(d, log_dir="/tmp/x-logs", port=1234).environment()
-    assert env[steps.ENV].endswith("vllm-cartspec-eagle3-domain-stop0.5-g5-1234.steps.json")
+    assert env[steps.ENV].endswith(f"vllm-cartspec-eagle3-domain-stop{STOP_P:g}-g5-1234.steps.json")
 
 
 class _Model:
@@ -358,7 +358,7 @@ def test_serve_and_draft_acceptance_take_the_threshold_and_refuse_it_without_a_h
     from cartspec.cli import app
 
     spec = default_spec("commerce", "domain", 5, True, draft="eagle3", draft_stop=STOP_P)
-    assert spec.speculative.draft_stop == STOP_P and spec.label == "eagle3-domain-stop0.5-g5"
+    assert spec.speculative.draft_stop == STOP_P and spec.label == f"eagle3-domain-stop{STOP_P:g}-g5"
     spec = default_spec("commerce", "domain", 5, True, draft="hybrid", draft_stop=STOP_P)
     assert spec.speculative.method == "hybrid" and spec.speculative.draft_stop == STOP_P
     for draft, head in (("eagle3", "none"), ("schema", "auto"), ("schema", "domain")):
@@ -420,3 +420,11 @@ def test_the_draft_vocabularys_probabilities_pick_vllms_token_and_its_softmax(dt
     assert draft_vocab.draft_targets(model) is draft_vocab.draft_targets(model)
     model.draft_id_to_target_id[1] = -1  # no longer increasing: the full logits are used
     assert draft_vocab.draft_targets(model) is None
+
+
+def test_the_default_rule_cuts_more_as_the_batch_grows_and_nothing_at_one():
+    # the deployed rule (module doc of drafting.length): nothing cut at one request, the whole threshold from
+    # FULL_BATCH requests on, and a threshold that only rises with the batch in between
+    ramp = [threshold_at(STOP_P, b) for b in range(1, 65)]
+    assert ramp[0] == 0.0 and ramp == sorted(ramp)
+    assert all(t == STOP_P for t in ramp[FULL_BATCH - 1:]) and 0 < ramp[1] < STOP_P

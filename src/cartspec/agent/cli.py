@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from ..cli_options import dtype_option, enforce_eager_option, force_option, model_option
+from ..drafting.length import STOP_P
 from .defaults import DEFAULT_DRAFT
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def serve(
     draft_stop: Optional[float] = typer.Option(
         None, "--draft-stop", help="with --draft eagle3 or hybrid: draft length per request, each request's draft "
                                    "cut where the head's path probability falls below this (a hybrid's only "
-                                   "before its first copied token; 0.5 is what the study's eagle3:HEAD:γ:stop "
+                                   f"before its first copied token; {STOP_P:g} is what the study's eagle3:HEAD:γ:stop "
                                    "and hybrid:HEAD:γ:stop measure); --gamma is then the longest draft"),
     adaptive: bool = typer.Option(False, "--adaptive", help="γ per batch size, tuned for this machine: the "
                                   "schedule cached by an earlier study or tune, else a calibration first (a few "

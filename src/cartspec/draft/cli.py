@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..cli_options import (dtype_option, enforce_eager_option, force_option, model_option, replace_bundled_option,
                            served_name_option, server_api_key_env_option)
-from ..drafting.length import METHODS as STOP_METHODS
+from ..drafting.length import METHODS as STOP_METHODS, STOP_P
 from ..progress import LoggedProgress
 from .pipeline import (DraftPipelineError, HeadTrainingConfig, PointerTrainingConfig, build_head, build_pointer,
                        check_drafters, hybrid_config)
@@ -147,7 +147,7 @@ def acceptance(
     draft_stop: Optional[float] = typer.Option(
         None, "--draft-stop", help="eagle3, hybrid: draft length per request, each draft cut where the head's "
                                    "path probability falls below this (a hybrid's only before its first copied "
-                                   "token; 0.5 is the default `eagle3:HEAD:γ:stop` and `hybrid:HEAD:γ:stop` "
+                                   f"token; {STOP_P:g} is the default `eagle3:HEAD:γ:stop` and `hybrid:HEAD:γ:stop` "
                                    "deploy); --gamma is then the longest draft"),
     lookup_min: Optional[int] = typer.Option(None, help="hybrid: smallest n-gram the lookup matches"),
     lookup_max: Optional[int] = typer.Option(None, help="hybrid: largest n-gram the lookup matches"),

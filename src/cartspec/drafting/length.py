@@ -9,20 +9,26 @@ its own greedy token), falls below a threshold; a request may keep all γ tokens
 
 The threshold follows the batch (``threshold_at``): ``STOP_P`` from ``FULL_BATCH`` requests in a step on,
 falling linearly to nothing cut at one request. On a CPU a verify pass over a few tokens costs about what one
-token does, so a cut saves little there and loses the tokens it cuts: at one stream the fixed γ = 5 ran
-×1.24 of the cut draft, at eight streams the cut draft ran ×1.40 of γ = 5 and ×1.18 of γ = 3 (bundled
-model, 2-core AMD EPYC with AVX-512-bf16, bfloat16, one `paper`-preset run with the threshold at every
-batch; docs/drafting.md, "Draft length per request").
+token does, so at one request a cut saves little and loses the tokens it cuts; from a few requests on each
+verified token costs its share of the step, and a token is worth verifying only where it is likely to be kept.
+
+``STOP_P`` and ``FULL_BATCH`` were chosen with a step-cost model (``analysis.cost_model``: α per step, β per
+verified token, δ per draft forward, fitted from a paper-preset study: α 33.1 ms, β 3.03 ms, δ 4.5 ms on a
+2-core AMD EPYC with AVX2 in float32) over the simulator's replay of greedy replies with the bundled head at
+γ = 5 (``scripts/draft_stop_sweep.py``): the predicted decoding rate b·τ(θ) / (α + β·b·(1 + k(θ)) + 5δ),
+with k the tokens kept a step and τ the tokens a step moves on, is highest at θ ≈ 0.5 for one request, 0.8–0.85
+at four, 0.9 at eight and 0.98–0.99 at 16–32, and within 3% of that best at every batch from four on with
+θ = 0.9 (dev split: at 4 / 8 / 16 / 32 requests ×1.06 / ×1.06 / ×1.09 / ×1.12 of the earlier rule, 0.5
+from eight requests on; the test split's 200 replies give the same optima). The head's probabilities are
+overconfident between 0.9 and 0.98 (about two thirds of the tokens it gives a path probability there are
+accepted), so the best threshold sits above the share of a step's time a token costs. The first rule (0.5 from eight requests on) was chosen by tokens a step alone (docs/drafting.md,
+"Draft length per request").
 
 In a hybrid (the head's draft with the prompt's copies, ``drafting.rules``) the head's probabilities judge the
 head's own tokens only: a copy replaces the head's draft from its first copied position on, and the head
 never gave the copied tokens a probability. So a hybrid's draft is cut where the head's path falls below the
 threshold before the first copied token, and kept whole where the head is sure enough up to it
 (``with_copy``): the copy is then judged by the verifier alone, as in the hybrid without a cut.
-
-``STOP_P`` was chosen in the simulator on the dev split's greedy replies (64, the bundled domain head,
-γ = 5; docs/drafting.md, "Draft length per request"): 3.92 tokens per engine step with 3.6 drafted, against
-4.13 with 5 (the fixed γ = 5) and 3.17 with 3 (the fixed γ = 3).
 """
 
 from __future__ import annotations
@@ -30,11 +36,11 @@ from __future__ import annotations
 from typing import Sequence
 
 # the one default threshold on the draft's path probability (module doc); ``Speculative.draft_stop`` carries it
-STOP_P = 0.5
+STOP_P = 0.9
 # the batch (requests in a step) from which the whole threshold applies; below it the threshold falls linearly to
 # 0 at one request (nothing cut, no probability computed): a verify pass over a few tokens costs about what
 # one token does, so there a token worth little still pays (module doc)
-FULL_BATCH = 8
+FULL_BATCH = 4
 # the speculative methods whose drafts a threshold cuts: the ones an EAGLE-3 head drafts (its probabilities)
 METHODS = ("eagle3", "hybrid")
 # where a deployment's threshold travels into vLLM: its ``--additional-config``, as ``{KEY: {"p": θ}}``
