@@ -3,13 +3,12 @@
 For every threshold θ in a grid, each request's draft (the bundled head's, γ tokens) is cut where the head's
 path probability falls below θ, replayed over the set's greedy replies (``draft.simulate``): the mean kept
 draft per step k(θ) and tokens per step τ(θ). A step-cost model (α per step, β per verified token, δ per
-draft forward: ``analysis.cost_model``, fitted from a study with ``cartspec report cost-model``-style
-``fit_cost_model``) then predicts the decoding throughput at a batch of b requests,
+draft forward: ``analysis.cost_model.fit_cost_model`` over a study's ``results.jsonl``) then predicts the decoding throughput at a batch of b requests,
 
     b·τ(θ) / (α + β·b·(1 + k(θ)) + γ·δ),
 
-and the script prints the best θ at each batch beside the plain-decoding rate b / (α + β·b) and the
-threshold the deployed rule uses there (``drafting.length.threshold_at``).
+and the script prints that rate for every θ, the best θ at each batch, and how close the deployed rule
+(``drafting.length.threshold_at``; θ rounded to the grid) comes to it.
 
     python scripts/draft_stop_sweep.py RESULTS.jsonl [dev] [64] [5]
 """
@@ -60,20 +59,30 @@ def main() -> None:
             n += n_tok - sum(st.accepted for st in steps)  # engine steps = output tokens - accepted
         stats[th] = (kept / n, (acc + n) / n)
         print(f"θ {th}: kept {kept/n:.2f} drafted a step, τ {(acc+n)/n:.3f}")
-    print("\n b | plain tok/s | fixed γ=3 | fixed γ | best θ | its tok/s (×plain) | deployed θ | its tok/s | θ = b/(b+α/β) | its tok/s")
-    for b in (1, 2, 4, 8, 16, 32):
-        def rate(th):
-            k, tau = stats[th]
-            draft = (3 if th == "g3" else gamma) * (c.delta + c.epsilon * b)
-            return b * tau / (c.alpha + c.beta * b * (1 + k) + draft)
-        plain = b / (c.alpha + c.beta * b)
-        best = max(grid, key=rate)
-        dep = length.threshold_at(length.STOP_P, b)
-        dep_g = min(grid, key=lambda t: abs(t - dep))
-        prop = b / (b + c.alpha / c.beta)
-        prop_g = min(grid, key=lambda t: abs(t - prop))
-        print(f"{b:2d} | {plain:6.1f} | {rate('g3'):6.1f} | {rate(0.0):6.1f} | {best:4.2f} | {rate(best):6.1f} (×{rate(best)/plain:.2f}) | {dep:4.2f} | "
-              f"{rate(dep_g):6.1f} | {prop:4.2f} | {rate(prop_g):6.1f}")
+    batches = (1, 2, 4, 8, 16, 32)
+
+    def rate(th, b):
+        k, tau = stats[th]
+        draft = (3 if th == "g3" else gamma) * (c.delta + c.epsilon * b)
+        return b * tau / (c.alpha + c.beta * b * (1 + k) + draft)
+
+    def nearest(x):
+        return min(grid, key=lambda t: abs(t - x))
+
+    print("\npredicted decoding tok/s at a batch of b requests")
+    print("| θ | kept a step | τ | " + " | ".join(f"b={b}" for b in batches) + " |")
+    print("|---|---|---|" + "---|" * len(batches))
+    print("| plain | 0 | 1 | " + " | ".join(f"{b / (c.alpha + c.beta * b):.1f}" for b in batches) + " |")
+    for th in grid + ["g3"]:
+        name = "γ=3" if th == "g3" else ("0 (γ=%d)" % gamma if th == 0 else f"{th:g}")
+        print(f"| {name} | {stats[th][0]:.2f} | {stats[th][1]:.3f} | "
+              + " | ".join(f"{rate(th, b):.1f}" for b in batches) + " |")
+    best = {b: max(grid, key=lambda t: rate(t, b)) for b in batches}
+    print("best θ: " + ", ".join(f"b={b}: {best[b]:g}" for b in batches))
+    dep = {b: length.threshold_at(length.STOP_P, b) for b in batches}
+    print(f"deployed rule (θ {length.STOP_P:g} from {length.FULL_BATCH} requests on): "
+          + ", ".join(f"b={b}: θ {dep[b]:.2f} ×{rate(nearest(dep[b]), b) / rate(best[b], b):.3f} of best"
+                      for b in batches))
 
 
 if __name__ == "__main__":

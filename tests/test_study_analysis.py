@@ -101,8 +101,10 @@ def test_summary_and_report_are_byte_identical_to_the_golden_run(run_dir):
     """``golden/`` holds summary.json and report.html as the code before the typed results-to-report path
     (issue 32) built them from this fixture. The refactor moves code: the summary is the same to the byte
     but for a float's last digits (to 12 significant digits),
-    and so is the page, less the table it drops on purpose (``DROPPED_FROM_GOLDEN``). One change since was
-    made on purpose and written into both files: the verdict's sentence on greedy parity per dtype and load."""
+    and so is the page, less the table it drops on purpose (``DROPPED_FROM_GOLDEN``). Two changes since were
+    made on purpose and written into both files: the verdict's sentence on greedy parity per dtype and load,
+    and the adaptive table's rows naming a draft cut per request (``draft_stop``, null for a schedule) under
+    the heading "Adaptive drafting"."""
     after = _golden_form((run_dir / "summary.json").read_text(), run_dir)
     golden = (DATA / "golden" / "summary.json").read_text()
     # the cost model's least-squares fit differs in a float's last digits between CPUs (numpy's BLAS takes
@@ -216,7 +218,8 @@ def test_the_report_renders_from_the_loaded_summary(run_dir, tmp_path):
 
 
 def _sliced(deployment: str, method: str, gamma: int | None, throughputs: list[float], schedule=None,
-            beside=("baseline", "eagle3-domain-g3", "eagle3-domain-g5", "eagle3-domain-auto")):
+            beside=("baseline", "eagle3-domain-g3", "eagle3-domain-g5", "eagle3-domain-auto",
+                    "eagle3-domain-stop0.9-g5"), draft_stop: float | None = None):
     """A point at 4 streams, T=0, measured in slices of 100 tokens at the given throughputs, in turn
     with ``beside``."""
     from cartspec.results import PointConfig, PointResult, PointSlice, RequestRecord
@@ -224,7 +227,8 @@ def _sliced(deployment: str, method: str, gamma: int | None, throughputs: list[f
     gammas = [gamma or 0] + [k for *_, k in schedule or []]
     spec = {"speculative": {"method": method, "adaptive": schedule is not None, "schedule": schedule}
             if method == "none" else {"method": method, "num_speculative_tokens": max(max(gammas), 1),
-                                      "model": "domain", "adaptive": schedule is not None, "schedule": schedule}}
+                                      "model": "domain", "adaptive": schedule is not None, "schedule": schedule,
+                                      "draft_stop": draft_stop}}
     cfg = PointConfig(deployment=deployment, method=method, gamma=gamma, spec=spec, concurrency=4,
                       n_requests=8 * len(throughputs), rounds=len(throughputs))
     slices = [PointSlice(wall_s=100 / t, n_requests=8, output_tokens=100) for t in throughputs]
@@ -302,6 +306,43 @@ def test_the_adaptive_point_is_set_beside_the_fixed_row_that_runs_its_gamma():
     odd = _sliced("eagle3-domain-auto", "eagle3", None, [150.0] * 4, schedule=[[1, 64, 4]])
     row, = adaptive_table(study_rows([base, g3, odd]), [base, g3, odd])
     assert row.same_gamma is None and row.vs_same_gamma is None
+
+
+def test_a_draft_cut_per_request_is_held_to_the_adaptive_goal_beside_the_fixed_rows():
+    """The per-request cut needs no schedule; its rows sit in the adaptive table beside the best fixed γ
+    and the baseline (never beside another adaptive row)."""
+    from cartspec.analysis.adaptive import adaptive_table
+    from cartspec.analysis.rows import study_rows
+
+    base = _sliced("baseline", "none", None, [100.0, 100.0, 100.0, 100.0])
+    g3 = _sliced("eagle3-domain-g3", "eagle3", 3, [150.0, 140.0, 145.0, 150.0])
+    g5 = _sliced("eagle3-domain-g5", "eagle3", 5, [160.0, 150.0, 155.0, 165.0])
+    auto = _sliced("eagle3-domain-auto", "eagle3", None, [170.0] * 4, schedule=[[1, 64, 5]])
+    cut = _sliced("eagle3-domain-stop0.9-g5", "eagle3", 5, [158.0, 149.0, 150.0, 160.0], draft_stop=0.9)
+    results = [base, g3, g5, auto, cut]
+    rows = {r.deployment: r for r in adaptive_table(study_rows(results), results)}
+    assert set(rows) == {"eagle3-domain-auto", "eagle3-domain-stop0.9-g5"}
+    row = rows["eagle3-domain-stop0.9-g5"]
+    assert row.draft_stop == 0.9 and row.gamma_at_load is None and row.schedule == []
+    # the best fixed deployment is γ=5, not the faster schedule
+    assert row.best_fixed == "eagle3-domain-g5" and row.meets
+    assert row.vs_best_fixed == pytest.approx(cut.output_throughput / g5.output_throughput)
+    assert row.vs_baseline_ci95[0] > 1.0 and row.same_gamma is None
+    # the schedule is not set beside the cut either
+    assert rows["eagle3-domain-auto"].best_fixed == "eagle3-domain-g5" and rows["eagle3-domain-auto"].draft_stop is None
+    slow = _sliced("eagle3-domain-stop0.9-g5", "eagle3", 5, [90.0, 91.0, 89.0, 90.0], draft_stop=0.9)
+    row, = adaptive_table(study_rows([base, g5, slow]), [base, g5, slow])
+    assert not row.meets and row.within_noise is False
+
+
+def test_the_cost_model_leaves_out_a_draft_cut_per_request():
+    """A cut verifies fewer than b·(γ+1) tokens a step, which the step-cost model does not describe."""
+    from cartspec.analysis.cost_model import exclusion
+
+    cut = _sliced("eagle3-domain-stop0.9-g5", "eagle3", 5, [150.0, 150.0], draft_stop=0.9)
+    assert "per request" in exclusion(cut)
+    g5 = _sliced("eagle3-domain-g5", "eagle3", 5, [150.0, 150.0])
+    assert "per request" not in (exclusion(g5) or "")
 
 
 def test_the_report_header_says_what_cartspecs_vllm_plugin_did_in_the_deployments():

@@ -24,7 +24,8 @@ which is linear in (α, β, δ, ε, π). They are fitted by non-negative least s
 thirty-two), over every successful closed-loop point of the baseline and of model drafters (EAGLE-3,
 draft models), each with its own measured acceptance. n-gram points are left out: their drafts are
 lookups with no model forward, and steps without a match draft nothing, which this model does not
-describe. Points whose γ varies with batch size (a schedule) are left out too.
+describe. Points whose γ varies with batch size (a schedule) or per request (a draft cut where the head is
+unsure: fewer tokens verified than b·(γ+1)) are left out too.
 
 ``b`` is the batch the engine actually ran, not the nominal concurrency: by Little's law the mean
 number of requests in flight is Σ E2EL / wall time. A closed loop of 2·c requests at concurrency c
@@ -150,6 +151,12 @@ def has_schedule(r: PointResult) -> bool:
     return bool(spec and (spec.speculative.schedule or spec.speculative.adaptive))
 
 
+def cuts_drafts(r: PointResult) -> bool:
+    """Whether the point's drafts were cut per request (``speculative.draft_stop``)."""
+    spec = measured_spec(r.config)
+    return bool(spec and spec.speculative.draft_stop)
+
+
 def exclusion(r: PointResult) -> str | None:
     """Why a point cannot inform the model (None: it can)."""
     c = r.config
@@ -161,6 +168,8 @@ def exclusion(r: PointResult) -> str | None:
         return f"{c.method} drafts without a model forward"
     if has_schedule(r):
         return "γ varies with batch size (a schedule)"
+    if cuts_drafts(r):
+        return "γ varies per request (a draft cut where the head is unsure): fewer than b·(γ+1) tokens verified"
     if c.method != "none":
         if not c.gamma:
             return "speculative point without γ"

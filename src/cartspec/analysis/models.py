@@ -162,7 +162,8 @@ class Comparison(BaseModel):
 
 
 class AdaptiveRow(BaseModel):
-    """An adaptive (γ per batch size) point beside the best fixed deployment at the same load and T."""
+    """An adaptive point (γ per batch size, or a draft cut per request) beside the best fixed deployment at the
+    same load and T."""
 
     deployment: str
     temperature: float
@@ -185,6 +186,8 @@ class AdaptiveRow(BaseModel):
     vs_same_gamma: float | None = Field(None, description="× that deployment: two servers drafting alike, so "
                                                           "what separates them is noise (or the schedule's cost)")
     vs_same_gamma_ci95: tuple[float, float] | None = None
+    draft_stop: float | None = Field(None, description="a draft cut per request: the threshold on the head's path "
+                                                       "probability (no schedule; γ is the longest draft)")
 
 
 class PairRow(BaseModel):

@@ -105,9 +105,10 @@ point. Decoding step: the ms of a step that prefilled nothing, the cost a draft'
 {% for r in failed %}<tr><td class="l">{{ r.deployment }}</td><td>{{ r.concurrency or r.rate }}</td><td>{{ r.temperature }}</td>
 <td class="l"><pre style="white-space:pre-wrap;margin:0">{{ r.reason }}</pre></td></tr>{% endfor %}</table>{% endif %}
 
-{% if adaptive %}<h2>Adaptive γ beside the best fixed deployment</h2>
-<p>γ per batch size, tuned for this machine ({% for a in adaptive[:1] %}schedule <code>{{ a.schedule }}</code>: [first batch size, last, γ]{% endfor %}).
-Goal at every load: ≥ 0.95 × the best fixed deployment and ≥ 1.0 × the baseline.{% if adaptive | selectattr("vs_best_fixed_ci95") | list %}
+{% if adaptive %}<h2>Adaptive drafting beside the best fixed deployment</h2>
+<p>{% set scheduled = adaptive | rejectattr("draft_stop") | list %}{% set cut = adaptive | selectattr("draft_stop") | list %}{% if scheduled %}γ per batch size, tuned for this machine ({% for a in scheduled[:1] %}schedule <code>{{ a.schedule }}</code>: [first batch size, last, γ]{% endfor %}).
+{% endif %}{% if cut %}A draft cut per request ({% for a in cut[:1] %}θ {{ a.draft_stop }}{% endfor %}: each request's draft stops where the head's path probability falls below the threshold; no schedule, γ is the longest draft).
+{% endif %}Goal at every load: ≥ 0.95 × the best fixed deployment and ≥ 1.0 × the baseline.{% if adaptive | selectattr("vs_best_fixed_ci95") | list %}
 Brackets: 95% interval from the point's slices, each measured beside the other deployment's (seconds apart, the same requests);
 "within noise": missed, but both intervals reach the goal.{% endif %}
 "× same γ": over the fixed deployment that runs the γ the schedule runs at that load (the baseline at γ = 0): two servers
@@ -115,7 +116,7 @@ drafting alike, so that ratio shows how far two servers doing the same work meas
 <table id="adaptive"><tr><th class="l">deployment</th><th>T</th><th>load</th><th>γ there</th><th>tok/s</th>
 <th class="l">best fixed</th><th>its tok/s</th><th>× best fixed</th><th>× baseline</th><th>goal</th><th>× same γ</th></tr>
 {% for a in adaptive %}<tr><td class="l">{{ a.deployment }}</td><td>{{ a.temperature }}</td><td>{{ a.concurrency }}</td>
-<td>{{ a.gamma_at_load }}</td><td>{{ num(a.output_throughput, 1) }}</td><td class="l">{{ a.best_fixed }}</td>
+<td>{{ "per request" if a.draft_stop else a.gamma_at_load }}</td><td>{{ num(a.output_throughput, 1) }}</td><td class="l">{{ a.best_fixed }}</td>
 <td>{{ num(a.best_fixed_throughput, 1) }}</td><td>{{ num(a.vs_best_fixed, 2) }}{% if a.vs_best_fixed_ci95 %} [{{ num(a.vs_best_fixed_ci95[0], 2) }}–{{ num(a.vs_best_fixed_ci95[1], 2) }}]{% endif %}</td>
 <td>{{ num(a.vs_baseline, 2) }}{% if a.vs_baseline_ci95 %} [{{ num(a.vs_baseline_ci95[0], 2) }}–{{ num(a.vs_baseline_ci95[1], 2) }}]{% endif %}</td>
 <td class="{{ 'good' if a.meets else ('' if a.within_noise else 'bad') }}">{{ "met" if a.meets else ("within noise" if a.within_noise else "missed") }}</td>
