@@ -3,7 +3,8 @@
 For every threshold θ in a grid, each request's draft (the bundled head's, γ tokens) is cut where the head's
 path probability falls below θ, replayed over the set's greedy replies (``draft.simulate``): the mean kept
 draft per step k(θ) and tokens per step τ(θ). A step-cost model (α per step, β per verified token, δ per
-draft forward: ``analysis.cost_model.fit_cost_model`` over a study's ``results.jsonl``) then predicts the decoding throughput at a batch of b requests,
+draft forward: ``analysis.cost_model.fit_cost_model`` over a study's ``results.jsonl``) then predicts the
+decoding throughput at a batch of b requests,
 
     b·τ(θ) / (α + β·b·(1 + k(θ)) + γ·δ),
 

@@ -15,14 +15,14 @@ verified token costs its share of the step, and a token is worth verifying only 
 ``STOP_P`` and ``FULL_BATCH`` were chosen with a step-cost model (``analysis.cost_model``: α per step, β per
 verified token, δ + ε·b per draft forward, fitted from a paper-preset study's fixed-γ points: α 33.1 ms, β 2.16
 ms, δ 4.27 ms, ε 0.35 ms on a 2-core AMD EPYC with AVX2 in float32) over the simulator's replay of greedy
-replies with the bundled head at γ = 5 (``scripts/draft_stop_sweep.py``): the predicted decoding rate
-b·τ(θ) / (α + β·b·(1 + k(θ)) + 5(δ + ε·b)), with k the tokens kept a step and τ the tokens a step moves on,
-is highest at θ ≈ 0.2 for one request, 0.6–0.7 at two to four, 0.85 at eight and 0.9–0.95 at 16–32; this
-rule comes within 1% of that best at every batch (2% at four requests on the test split), where the earlier one (0.5 from eight requests on, chosen
-by tokens a step alone) is predicted ×1.03 / ×1.06 / ×1.08 below it at 8 / 16 / 32 requests (dev split; the
-test split's best thresholds are within 0.2 of these). The head is overconfident near the top (of the tokens whose
-path probability lies between 0.9 and 0.98, about two thirds are accepted), so the best threshold lies above
-the share of a step's time one verified token costs.
+replies with the bundled head at γ = 5 (``scripts/draft_stop_sweep.py``): the predicted decoding rate b·τ(θ) /
+(α + β·b·(1 + k(θ)) + 5(δ + ε·b)), with k the tokens kept a step and τ the tokens a step moves on, is highest at
+θ ≈ 0.2 for one request, 0.6–0.7 at two to four, 0.85 at eight and 0.9–0.95 at 16–32; this rule comes within 1%
+of that best at every batch (2% at four requests on the test split), where the earlier one (0.5 from eight
+requests on, chosen by tokens a step alone) is predicted ×1.03 / ×1.06 / ×1.08 below it at 8 / 16 / 32 requests
+(dev split; the test split's best thresholds are within 0.2 of these). The head is overconfident near the top
+(of the tokens whose path probability lies between 0.9 and 0.98, about two thirds are accepted), so the best
+threshold lies above the share of a step's time one verified token costs.
 
 In a hybrid (the head's draft with the prompt's copies, ``drafting.rules``) the head's probabilities judge the
 head's own tokens only: a copy replaces the head's draft from its first copied position on, and the head
