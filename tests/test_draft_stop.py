@@ -237,6 +237,52 @@ def test_a_decoding_steps_time_and_the_time_in_steps_that_prefilled():
     s = steps.summary(by)
     assert s["decode_ms"] == 62.5  # (0.15 + 0.1) s over 4 steps
     assert s["prefill_time_share"] == 0.5  # 0.25 of the 0.5 s in the one step that prefilled
+    assert s["fixed_time_share"] == 0.5  # counters without the batch: one stream, the prefilling step's whole time
+
+
+def _toy_engine(streams: int, tau: int, c: float = 0.05, delta: float = 0.04) -> dict[str, float]:
+    """Closed-loop streams on a toy engine, counted as the plugin counts: every step advances each stream's
+    request, by its prompt (one token) or by ``tau`` tokens; a step costs ``c`` plus ``delta`` per prompt."""
+    lengths = [13, 25, 37, 49, 61]
+    tot = dict.fromkeys(steps.FIELDS, 0.0)
+    todo = [[lengths[(3 * i + k) % len(lengths)] for k in range(24)] for i in range(streams)]
+    left = [0] * streams
+    while any(todo) or any(left):
+        active = prompts = 0
+        for i in range(streams):
+            if not left[i]:
+                if not todo[i]:
+                    continue
+                left[i], prompts = todo[i].pop(0) - 1, prompts + 1
+            else:
+                left[i] -= min(tau, left[i])
+            active += 1
+        cost = c + delta * prompts
+        tot["steps"] += 1
+        tot["requests"] += active
+        tot["verify_s"] += cost
+        tot["prompts"] += prompts
+        tot["prompt_tokens"] += 20 * prompts
+        if not prompts:
+            tot["decode_steps"] += 1
+            tot["decode_s"] += cost
+    return tot
+
+
+@pytest.mark.parametrize("streams", [1, 2, 8, 32])
+def test_the_time_no_tau_can_shorten_predicts_the_time_of_a_longer_draft(streams):
+    """A step that prefills one request's prompt also decodes the others', and that part shrinks with τ; only
+    a request's first step and what a prompt adds to a step stay. The fixed share measured at τ = 3 predicts
+    the time the same requests take at τ = 4; the prefilling steps' whole share does so at one stream only."""
+    a, b = _toy_engine(streams, 3), _toy_engine(streams, 4)
+    s = steps.summary({"5-8": a})
+    ratio = b["verify_s"] / a["verify_s"]
+    assert ratio == pytest.approx(s["fixed_time_share"] + (1 - s["fixed_time_share"]) * 3 / 4, abs=0.002)
+    old = s["prefill_time_share"] + (1 - s["prefill_time_share"]) * 3 / 4
+    if streams == 1:
+        assert s["fixed_time_share"] == s["prefill_time_share"]
+    else:
+        assert old - ratio > 0.01 and s["fixed_time_share"] < s["prefill_time_share"]
 
 
 def test_step_stats_time_drafting_and_verifying_by_batch_size(monkeypatch, tmp_path):
@@ -265,7 +311,7 @@ def test_step_stats_time_drafting_and_verifying_by_batch_size(monkeypatch, tmp_p
         runner.sample_tokens(None)
     by = steps.read(path)
     assert set(by) == {"2"} and by["2"]["steps"] == 3 and by["2"]["requests"] == 6 and by["2"]["tokens"] == 24
-    assert by["2"]["prompt_tokens"] == 0  # both requests decoding
+    assert by["2"]["prompt_tokens"] == 0 and by["2"]["prompts"] == 0  # both requests decoding
     assert by["2"]["decode_steps"] == 3 and by["2"]["decode_s"] == pytest.approx(by["2"]["draft_s"] + by["2"]["verify_s"])
     assert by["2"]["drafted"] == 18 and by["2"]["kept"] == 9
     assert by["2"]["draft_s"] > 0 and by["2"]["verify_s"] >= 0 and by["2"]["gc_s"] > 0
@@ -338,6 +384,8 @@ def test_in_vllm_drafts_are_cut_per_request_replies_stay_the_targets_and_steps_a
     assert plain["draft_ms"] < total["draft_ms"] and "kept_share" not in plain
     assert 0 < plain["prefill_share"] < 1 and 0 < total["prefill_share"] < 1  # read from vLLM's scheduler output
     assert 0 < plain["prefill_time_share"] < 1 and plain["decode_ms"] > 0  # steps that decoded alone, and the rest
+    assert sum(row["prompts"] for row in by0.values()) == 2 * len(reqs)  # each request entered once
+    assert 0 < plain["fixed_time_share"] <= plain["prefill_time_share"]
     # the hybrid (the prompt's n-gram copies over the head's draft) cut the same way: the two patches stack
     from cartspec.drafting.config import HybridConfig
 

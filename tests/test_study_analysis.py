@@ -449,18 +449,18 @@ def test_a_runs_report_gains_the_step_table_where_its_points_have_step_counts(tm
 
 def test_the_hybrid_is_set_beside_its_head_with_the_gain_its_tau_can_buy(tmp_path):
     """A hybrid point pairs with the head alone at the same γ and load; its ratio is read against the ratio its
-    τ gain allows where prompts' prefill takes a share of the time, and the goal 1 + 0.8 (τ ratio − 1) is marked
-    out of reach where it is above that; the report shows the table, and a run without a hybrid has none."""
+    τ gain allows where a share of the time is fixed (prompts' prefill, a request's first step), and the goal
+    1 + 0.8 (τ ratio − 1) is marked out of reach where it is above that; the report shows the table, and a run without a hybrid has none."""
     from cartspec.analysis.pairs import attainable, pair_table
     from cartspec.analysis.rows import study_rows
 
     assert attainable(1.1, 0.0) == pytest.approx(1.1) and attainable(1.1, 1.0) == pytest.approx(1.0)
     assert attainable(1.1, 0.5) == pytest.approx(1 / (0.5 / 1.1 + 0.5))
 
-    def steps(prefill_s, decode_s):  # 10 steps, 2 of which prefilled
+    def steps(prefill_s, decode_s):  # 10 steps of 6 requests, 2 of which prefilled a prompt each
         return {"5-8": {"steps": 10, "draft_s": 0.1, "verify_s": prefill_s + decode_s - 0.1, "gc_s": 0.0,
                         "requests": 60, "tokens": 300, "prompt_tokens": 100, "drafted": 0, "kept": 0,
-                        "decode_steps": 8, "decode_s": decode_s}}
+                        "decode_steps": 8, "decode_s": decode_s, "prompts": 2}}
 
     def tau(r, value):
         from cartspec.results import AcceptanceStats
@@ -469,7 +469,9 @@ def test_the_hybrid_is_set_beside_its_head_with_the_gain_its_tau_can_buy(tmp_pat
                                                                   accepted=round(100 * (value - 1)))})
 
     head = tau(_sliced("eagle3-domain-g3", "eagle3", 3, [100.0, 110.0, 90.0, 100.0]), 3.3)
-    head = head.model_copy(update={"engine_steps": steps(0.4, 0.6)})  # 40% of the time prefilling
+    # 40% of the time in prefilling steps: 2 × 0.125 s above a decoding step's 0.075 s, and a request's first
+    # step, 0.075 s shared by 6, are 27.5% that τ does not shorten
+    head = head.model_copy(update={"engine_steps": steps(0.4, 0.6)})
     hyb = tau(_sliced("hybrid-domain-g3", "hybrid", 3, [105.0, 114.0, 95.0, 104.0],
                       beside=("eagle3-domain-g3",)), 3.63)
     other_gamma = tau(_sliced("eagle3-domain-g5", "eagle3", 5, [120.0] * 4), 4.0)
@@ -477,8 +479,8 @@ def test_the_hybrid_is_set_beside_its_head_with_the_gain_its_tau_can_buy(tmp_pat
     row, = pair_table(study_rows(results), results)
     assert (row.deployment, row.head_deployment, row.gamma) == ("hybrid-domain-g3", "eagle3-domain-g3", 3)
     assert row.tau_ratio == pytest.approx(1.1) and row.goal == pytest.approx(1.08)
-    assert row.prefill_time_share == pytest.approx(0.4)
-    assert row.attainable == pytest.approx(1 / (0.6 / 1.1 + 0.4)) and row.attainable < row.goal
+    assert row.fixed_time_share == pytest.approx(0.275)
+    assert row.attainable == pytest.approx(1 / (0.725 / 1.1 + 0.275)) and row.attainable < row.goal
     assert row.goal_attainable is False and not row.meets_goal
     assert row.ratio == pytest.approx(hyb.output_throughput / head.output_throughput)
     assert row.kept == pytest.approx((row.ratio - 1) / (row.attainable - 1))

@@ -141,7 +141,9 @@ class EngineSteps:
                                                     "no prompt (decoding alone), by batch size",
                                                     labels=["target", "batch"]),
                 "decode_s": CounterMetricFamily(p + "decode_seconds", "Engine time spent in those decoding steps, "
-                                                "by batch size", labels=["target", "batch"])}
+                                                "by batch size", labels=["target", "batch"]),
+                "prompts": CounterMetricFamily(p + "prompts", "Requests whose prompt entered a step, by batch "
+                                               "size", labels=["target", "batch"])}
         for target, path in self.files.items():
             for bucket, row in steps.read(path).items():
                 for field, fam in fams.items():

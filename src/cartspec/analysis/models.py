@@ -16,7 +16,7 @@ from .classes import ClassAcceptance
 from .cost_model import PointPrediction, StepCosts
 
 # a row's figures from its point's engine steps (``vllm_plugin.steps.summary``), left out where it has none
-STEP_FIELDS = ("draft_ms", "verify_ms", "prefill_share", "decode_ms", "prefill_time_share")
+STEP_FIELDS = ("draft_ms", "verify_ms", "prefill_share", "decode_ms", "prefill_time_share", "fixed_time_share")
 
 SUMMARY_FILE = "summary.json"
 
@@ -85,6 +85,9 @@ class StudyRow(BaseModel):
                                     "of a step of decoding alone, which τ divides")
     prefill_time_share: float | None = Field(None, description="of the engine steps' time, the steps that "
                                              "prefilled a prompt")
+    fixed_time_share: float | None = Field(None, description="of the engine steps' time, the part no τ can "
+                                           "shorten: each prefilling step's time above a decoding step's, and "
+                                           "a request's first step shared by the batch (vllm_plugin.steps)")
     _without_unknown_steps = omit_when_none(*STEP_FIELDS)  # points without step counts
 
     @property
@@ -209,12 +212,13 @@ class PairRow(BaseModel):
     ratio_ci95: tuple[float, float] | None = Field(None, description="95% interval from the slices (rounds only)")
     goal: float = Field(..., description="1 + 0.8 × (tau_ratio − 1)")
     meets_goal: bool
-    prefill_time_share: float | None = Field(None, description="the head point's share of step time in steps "
-                                                               "that prefilled a prompt")
-    attainable: float | None = Field(None, description="the ratio with equal step costs: 1 / ((1 − s) / r + s)")
+    fixed_time_share: float | None = Field(None, description="the head point's share of step time that no τ can "
+                                                             "shorten (StudyRow.fixed_time_share)")
+    attainable: float | None = Field(None, description="the ratio with equal step costs: 1 / ((1 − s) / r + s), "
+                                                       "s the fixed share")
     kept: float | None = Field(None, description="(ratio − 1) / (attainable − 1)")
     goal_attainable: bool | None = Field(None, description="goal ≤ attainable: whether any drafter with this τ "
-                                                           "could meet the goal at this prefill share")
+                                                           "could meet the goal at this fixed share")
     draft_ms: float | None = None
     head_draft_ms: float | None = None
     decode_ms: float | None = None

@@ -3,18 +3,20 @@
 A hybrid (``hybrid:HEAD:γ``) drafts the head's tokens with the prompt's copies combined in, so beside the same
 head alone at the same γ (``eagle3:HEAD:γ``, the same draft length per request or none), load, temperature and
 request set it differs in two things only: its τ and its own work per step. Its output throughput over the
-head's (``ratio``) is read against what the τ gain can buy. A reply's decoding steps fall as 1/τ, but the
-steps that prefill a prompt do not shorten; they take the share ``s`` of the head point's step time
-(``StudyRow.prefill_time_share``). With equal step costs the hybrid would run
+head's (``ratio``) is read against what the τ gain can buy. A reply of L tokens takes one step to prefill
+its prompt and (L − 1) / τ steps to decode, and each step advances the whole batch; so τ shortens every step
+but a request's first, and a prefilling step's time above a decoding step's (its prompt's tokens) stays as it
+was. That part is the share ``s`` of the head point's step time (``StudyRow.fixed_time_share``, from the
+engine's step counters: ``vllm_plugin.steps.fixed_share``). With equal step costs the hybrid would run
 
     attainable = 1 / ((1 − s) / r + s),        r = τ_hybrid / τ_head
 
 times the head, and ``kept`` = (ratio − 1) / (attainable − 1) is the share of that gain it kept (1: its own
 work cost nothing; above 1: its steps ran cheaper than the head's, which is noise between two servers).
-``goal`` is 1 + 0.8 (r − 1), the hybrid keeping 80% of its τ gain as if every step decoded: where prompts
-take a fifth of the time or more, ``goal`` reaches ``attainable`` or passes it, and no drafter can meet it
-(``goal_attainable`` False). The prefill share counts a step that prefilled a prompt whole, also the other
-requests' tokens it verified, so ``attainable`` is a little low at several streams.
+``goal`` is 1 + 0.8 (r − 1), the hybrid keeping 80% of its τ gain as if every step decoded: where the fixed
+share is a fifth of the time or more, ``goal`` reaches ``attainable`` or passes it, and no drafter can meet it
+(``goal_attainable`` False). At one stream ``s`` is the prefilling steps' whole time; at several it is much
+less than their time (``StudyRow.prefill_time_share``), since such a step also decodes the other requests.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from .specs import measured_spec
 GOAL_SHARE = 0.8  # of the τ gain, the share the hybrid is to keep as speed (``goal``)
 
 
-def attainable(tau_ratio: float, prefill_time_share: float) -> float:
-    """Hybrid ÷ head throughput with equal step costs: the decoding steps' share of the time divided by the τ
-    ratio, the prefilling steps' share as it was (module doc)."""
-    s = min(max(prefill_time_share, 0.0), 1.0)
+def attainable(tau_ratio: float, fixed_time_share: float) -> float:
+    """Hybrid ÷ head throughput with equal step costs: the share of the time that τ shortens divided by the τ
+    ratio, the fixed share as it was (module doc)."""
+    s = min(max(fixed_time_share, 0.0), 1.0)
     return 1.0 / ((1.0 - s) / tau_ratio + s)
 
 
@@ -57,15 +59,15 @@ def pair_table(rows: list[StudyRow], results: list[PointResult]) -> list[PairRow
         ratio = a.output_throughput / b.output_throughput
         goal = 1.0 + GOAL_SHARE * (r_tau - 1.0)
         att = kept = None
-        if b.prefill_time_share is not None:
-            att = attainable(r_tau, b.prefill_time_share)
+        if b.fixed_time_share is not None:
+            att = attainable(r_tau, b.fixed_time_share)
             kept = (ratio - 1.0) / (att - 1.0) if abs(att - 1.0) > 1e-9 else None
         out.append(PairRow(
             deployment=a.deployment, head_deployment=b.deployment, temperature=a.temperature, mode=a.mode,
             concurrency=a.concurrency, rate=a.rate, request_set=a.request_set, gamma=a.gamma,
             tau=a.tau, head_tau=b.tau, tau_ratio=r_tau, ratio=ratio,
             ratio_ci95=slice_ratio_ci(by_key[a.key], by_key[b.key]) if a.key in by_key and b.key in by_key else None,
-            goal=goal, meets_goal=ratio >= goal, prefill_time_share=b.prefill_time_share, attainable=att,
+            goal=goal, meets_goal=ratio >= goal, fixed_time_share=b.fixed_time_share, attainable=att,
             kept=kept, goal_attainable=None if att is None else goal <= att,
             draft_ms=a.draft_ms, head_draft_ms=b.draft_ms, decode_ms=a.decode_ms, head_decode_ms=b.decode_ms))
     return sorted(out, key=lambda r: (r.deployment, r.request_set, r.temperature, r.concurrency or 0, r.rate or 0))

@@ -89,14 +89,15 @@ of replies identical to the baseline's for the same request.</p>
 <p class="muted">Per engine step, from cartspec's counters inside vLLM: drafting (the head's forwards and cartspec's
 drafters) and the rest (the target's forward over the drafts, sampling, verification), in ms. Prefill: of the tokens
 the target ran, the prompts' share; in time, the share of the steps' time spent in steps that prefilled a prompt.
-Speculation shortens decoding, not prefill, so the higher those shares, the less a better draft can speed up the
-point. Decoding step: the ms of a step that prefilled nothing, the cost a draft's τ divides.</p>
+Such a step also decodes the other requests in the batch; fixed: the part of the time no τ can shorten (what the
+prompts add to their steps, and each request's first step, shared by the batch). The higher it is, the less a better
+draft can speed up the point. Decoding step: the ms of a step that prefilled nothing, the cost a draft's τ divides.</p>
 <table id="steps"><tr><th class="l">deployment</th><th>load</th><th>T</th><th class="l">set</th><th>drafting ms</th>
-<th>rest ms</th><th>prefill</th><th>prefill, in time</th><th>decoding step ms</th></tr>
+<th>rest ms</th><th>prefill</th><th>prefill, in time</th><th>fixed, in time</th><th>decoding step ms</th></tr>
 {% for r in stepped %}<tr><td class="l">{{ r.deployment }}</td>
 <td>{{ r.concurrency if r.mode == "closed" else r.rate ~ "/s" }}</td><td>{{ r.temperature }}</td><td class="l">{{ r.request_set }}</td>
 <td>{{ num(r.draft_ms, 1) }}</td><td>{{ num(r.verify_ms, 1) }}</td><td>{{ pct(r.prefill_share) }}</td>
-<td>{{ pct(r.prefill_time_share) }}</td><td>{{ num(r.decode_ms, 1) }}</td></tr>
+<td>{{ pct(r.prefill_time_share) }}</td><td>{{ pct(r.fixed_time_share) }}</td><td>{{ num(r.decode_ms, 1) }}</td></tr>
 {% endfor %}</table>
 
 {% endif %}{% set failed = rows|selectattr("status", "equalto", "failed")|list %}
@@ -124,19 +125,20 @@ drafting alike, so that ratio shows how far two servers doing the same work meas
 
 {% if pairs %}<h2>The hybrid beside its head: τ into speed</h2>
 <p>Each hybrid point over the head alone at the same γ and load (the same head, temperature and request set). A reply's
-decoding steps fall as τ rises; the steps that prefill a prompt do not. "Attainable": the ratio the τ gain would give
-with equal step costs, the head's share of time in prefilling steps s kept as it was: 1 / ((1 − s) / (τ ratio) + s).
+decoding steps fall as τ rises; a request's first step, and what a prefilling step costs above a decoding step, do not:
+s, "fixed, in time", is that share of the head's step time. "Attainable": the ratio the τ gain would give with equal
+step costs, s kept as it was: 1 / ((1 − s) / (τ ratio) + s).
 "Kept": the share of that gain the hybrid kept, (ratio − 1) / (attainable − 1); its own work per step is the difference
 in drafting ms. Goal: 1 + 0.8 × (τ ratio − 1), as if every step decoded; "out of reach" where it is above the attainable
 ratio.{% if pairs | selectattr("ratio_ci95") | list %} Brackets: 95% interval from the point's slices.{% endif %}</p>
 <table id="pairs"><tr><th class="l">hybrid</th><th class="l">head alone</th><th>T</th><th>load</th><th>τ / head's</th>
-<th>τ ratio</th><th>× head</th><th>goal</th><th>prefill, in time</th><th>attainable</th><th>kept</th>
+<th>τ ratio</th><th>× head</th><th>goal</th><th>fixed, in time</th><th>attainable</th><th>kept</th>
 <th>drafting ms / head's</th><th>decoding step ms / head's</th></tr>
 {% for p in pairs %}<tr><td class="l">{{ p.deployment }}</td><td class="l">{{ p.head_deployment }}</td><td>{{ p.temperature }}</td>
 <td>{{ p.concurrency if p.mode == "closed" else p.rate ~ "/s" }}</td><td>{{ num(p.tau, 2) }} / {{ num(p.head_tau, 2) }}</td>
 <td>{{ num(p.tau_ratio, 3) }}</td><td>{{ num(p.ratio, 3) }}{% if p.ratio_ci95 %} [{{ num(p.ratio_ci95[0], 2) }}–{{ num(p.ratio_ci95[1], 2) }}]{% endif %}</td>
 <td class="{{ 'good' if p.meets_goal else ('' if p.goal_attainable == false else 'bad') }}">{{ num(p.goal, 3) }} {{ "met" if p.meets_goal else ("out of reach" if p.goal_attainable == false else "missed") }}</td>
-<td>{{ pct(p.prefill_time_share) }}</td><td>{{ num(p.attainable, 3) }}</td><td>{{ pct(p.kept) }}</td>
+<td>{{ pct(p.fixed_time_share) }}</td><td>{{ num(p.attainable, 3) }}</td><td>{{ pct(p.kept) }}</td>
 <td>{{ num(p.draft_ms, 1) }} / {{ num(p.head_draft_ms, 1) }}</td><td>{{ num(p.decode_ms, 1) }} / {{ num(p.head_decode_ms, 1) }}</td></tr>{% endfor %}</table>
 
 {% endif %}{{ by_class_html }}

@@ -13,7 +13,7 @@ cartspec drafter: hybrid, schema, draft length), and counts per step:
 * the requests in the batch and the tokens the target ran, and of those the prompts' prefill
   (``prompt_tokens``), work that speculation does not shorten;
 * the steps that prefilled no prompt and their time (``decode_steps``, ``decode_s``): what a step of
-  decoding alone costs, the cost that a draft's τ divides;
+  decoding alone costs, the cost that a draft's τ divides; and the requests that entered (``prompts``);
 * the tokens drafted and kept where a draft is cut per request (``draft_stop``).
 
 Counts are kept per batch-size bucket (``BUCKETS``) and written, at most every ``EVERY_S`` seconds and
@@ -41,7 +41,7 @@ EVERY_S = 0.2
 # batch-size buckets (requests in the step): their upper bounds; the last takes the rest
 BUCKETS = (1, 2, 4, 8, 16, 32)
 FIELDS = ("steps", "draft_s", "verify_s", "gc_s", "requests", "tokens", "prompt_tokens", "drafted", "kept",
-          "decode_steps", "decode_s")
+          "decode_steps", "decode_s", "prompts")
 
 
 def bucket_of(n: int) -> str:
@@ -67,13 +67,14 @@ class Stats:
     def add(self, field: str, value: float) -> None:
         self.pending[field] = self.pending.get(field, 0.0) + value
 
-    def close_step(self, requests: int, tokens: int, prompt: int) -> None:
+    def close_step(self, requests: int, tokens: int, prompt: int, prompts: int = 0) -> None:
         p, self.pending = self.pending, {}
         row = self.by.setdefault(bucket_of(requests), dict.fromkeys(FIELDS, 0.0))
         row["steps"] += 1
         row["requests"] += requests
         row["tokens"] += tokens
         row["prompt_tokens"] += prompt
+        row["prompts"] = row.get("prompts", 0.0) + prompts
         draft = p.get("draft_s", 0.0)
         row["draft_s"] += draft
         row["verify_s"] += max(p.get("step_s", 0.0) - draft, 0.0)
@@ -161,6 +162,7 @@ def apply(mod) -> None:
             st.pending["_tokens"] = scheduler_output.total_num_scheduled_tokens
             st.pending["_requests"] = len(scheduler_output.num_scheduled_tokens)
             st.pending["_prompt"] = prompt_tokens(scheduler_output)
+            st.pending["_prompts"] = len(scheduler_output.scheduled_new_reqs)
 
     @functools.wraps(sample)
     def sample_tokens(self, *args, **kwargs):
@@ -172,9 +174,9 @@ def apply(mod) -> None:
             st.add("step_s", time.perf_counter() - t0)
             st.add("gc_s", _collections.seconds - g0)
             requests, tokens = int(st.pending.pop("_requests", 0)), int(st.pending.pop("_tokens", 0))
-            prompt = int(st.pending.pop("_prompt", 0))
+            prompt, prompts = int(st.pending.pop("_prompt", 0)), int(st.pending.pop("_prompts", 0))
             if requests:
-                st.close_step(requests, tokens, prompt)
+                st.close_step(requests, tokens, prompt, prompts)
             else:
                 st.pending.clear()
 
@@ -220,11 +222,31 @@ def difference(after: dict, before: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+def fixed_share(tot: dict[str, float], step_s: float) -> float:
+    """Of the steps' time, the part that no τ can shorten. A request takes one step to prefill its prompt and
+    then (L − 1) / τ steps to decode the rest of its L tokens, and every step advances the whole batch, so with
+    R requests and a mean batch b the engine runs R / b steps that τ leaves as they are, each costing a
+    decoding step c; and each of the P prefilling steps costs Δ more than c, for its prompts' tokens. Fixed
+    time: P·Δ + (R / b)·c (counters written before ``prompts`` was: R taken as P). At one stream this is the
+    prefilling steps' whole time; at several, the decoding they also do for the other requests shrinks with τ
+    like any other step's."""
+    n, decode_steps = tot["steps"], tot["decode_steps"]
+    if not n or not decode_steps or step_s <= 0:
+        return 0.0
+    c = tot["decode_s"] / decode_steps
+    prefill_steps = n - decode_steps
+    entered = tot.get("prompts") or prefill_steps
+    batch = max(tot["requests"] / n, 1.0)
+    fixed = (step_s - tot["decode_s"]) - prefill_steps * c + entered * c / batch
+    return min(max(fixed / step_s, 0.0), 1.0)
+
+
 def summary(by: dict[str, dict[str, float]]) -> dict[str, Any] | None:
     """Per-step means over ``by`` (all buckets pooled): steps, draft_ms, verify_ms, gc_ms (of those two, the
     garbage collector's), requests (mean batch), prefill_share (the prompts' share of the tokens the target
     ran: work that speculation does not shorten), decode_ms (a step that prefilled no prompt) with
-    prefill_time_share (the share of the steps' time spent in steps that prefilled one) and kept_share
+    prefill_time_share (the share of the steps' time spent in steps that prefilled one), fixed_time_share (of
+    the steps' time, the part no τ can shorten: ``fixed_share``) and kept_share
     (kept / drafted tokens, where drafts were cut per request); None without steps."""
     tot = {f: sum(row.get(f, 0.0) for row in by.values()) for f in FIELDS}
     n = tot["steps"]
@@ -239,6 +261,7 @@ def summary(by: dict[str, dict[str, float]]) -> dict[str, Any] | None:
     if tot.get("decode_steps") and step_s > 0:
         out["decode_ms"] = round(1000 * tot["decode_s"] / tot["decode_steps"], 3)
         out["prefill_time_share"] = round(max(0.0, 1.0 - tot["decode_s"] / step_s), 4)
+        out["fixed_time_share"] = round(fixed_share(tot, step_s), 4)
     if tot["drafted"]:
         out["kept_share"] = round(tot["kept"] / tot["drafted"], 4)
     return out
