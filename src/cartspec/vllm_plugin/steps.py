@@ -74,7 +74,7 @@ class Stats:
         row["requests"] += requests
         row["tokens"] += tokens
         row["prompt_tokens"] += prompt
-        row["prompts"] = row.get("prompts", 0.0) + prompts
+        row["prompts"] += prompts
         draft = p.get("draft_s", 0.0)
         row["draft_s"] += draft
         row["verify_s"] += max(p.get("step_s", 0.0) - draft, 0.0)
