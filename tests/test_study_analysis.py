@@ -450,7 +450,8 @@ def test_a_runs_report_gains_the_step_table_where_its_points_have_step_counts(tm
 def test_the_hybrid_is_set_beside_its_head_with_the_gain_its_tau_can_buy(tmp_path):
     """A hybrid point pairs with the head alone at the same γ and load; its ratio is read against the ratio its
     τ gain allows where a share of the time is fixed (prompts' prefill, a request's first step), and the goal
-    1 + 0.8 (τ ratio − 1) is marked out of reach where it is above that; the report shows the table, and a run without a hybrid has none."""
+    1 + 0.8 (τ ratio − 1) is marked out of reach where it is above that; the report shows the table, and a run
+    without a hybrid has none."""
     from cartspec.analysis.pairs import attainable, pair_table
     from cartspec.analysis.rows import study_rows
 

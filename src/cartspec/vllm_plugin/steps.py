@@ -67,7 +67,7 @@ class Stats:
     def add(self, field: str, value: float) -> None:
         self.pending[field] = self.pending.get(field, 0.0) + value
 
-    def close_step(self, requests: int, tokens: int, prompt: int, prompts: int = 0) -> None:
+    def close_step(self, requests: int, tokens: int, prompt: int, prompts: int) -> None:
         p, self.pending = self.pending, {}
         row = self.by.setdefault(bucket_of(requests), dict.fromkeys(FIELDS, 0.0))
         row["steps"] += 1
@@ -222,7 +222,7 @@ def difference(after: dict, before: dict) -> dict[str, dict[str, float]]:
     return out
 
 
-def fixed_share(tot: dict[str, float], step_s: float) -> float:
+def fixed_share(tot: dict[str, float]) -> float:
     """Of the steps' time, the part that no τ can shorten. A request takes one step to prefill its prompt and
     then (L − 1) / τ steps to decode the rest of its L tokens, and every step advances the whole batch, so with
     R requests and a mean batch b the engine runs R / b steps that τ leaves as they are, each costing a
@@ -230,7 +230,7 @@ def fixed_share(tot: dict[str, float], step_s: float) -> float:
     time: P·Δ + (R / b)·c (counters written before ``prompts`` was: R taken as P). At one stream this is the
     prefilling steps' whole time; at several, the decoding they also do for the other requests shrinks with τ
     like any other step's."""
-    n, decode_steps = tot["steps"], tot["decode_steps"]
+    n, decode_steps, step_s = tot["steps"], tot["decode_steps"], tot["draft_s"] + tot["verify_s"]
     if not n or not decode_steps or step_s <= 0:
         return 0.0
     c = tot["decode_s"] / decode_steps
@@ -261,7 +261,7 @@ def summary(by: dict[str, dict[str, float]]) -> dict[str, Any] | None:
     if tot.get("decode_steps") and step_s > 0:
         out["decode_ms"] = round(1000 * tot["decode_s"] / tot["decode_steps"], 3)
         out["prefill_time_share"] = round(max(0.0, 1.0 - tot["decode_s"] / step_s), 4)
-        out["fixed_time_share"] = round(fixed_share(tot, step_s), 4)
+        out["fixed_time_share"] = round(fixed_share(tot), 4)
     if tot["drafted"]:
         out["kept_share"] = round(tot["kept"] / tot["drafted"], 4)
     return out
