@@ -408,7 +408,8 @@ def test_a_tagged_deployment_is_compared_with_the_baseline_of_its_own_tag():
 
 def test_the_report_shows_where_a_steps_time_goes_and_the_prompts_share():
     """A point's engine steps (``engine_steps``, the plugin's counters) give its row drafting and verifying ms
-    a step and the prompts' share of the target's tokens; the report's step table and the verdict show them.
+    a step, the prompts' share of the target's tokens and the share of its time no τ shortens; the report's step
+    table and the verdict show them.
     Points without counters (older runs) leave all three out of the summary."""
     from cartspec.analysis.rows import study_rows
     from cartspec.report.prose import verdict
@@ -424,8 +425,18 @@ def test_the_report_shows_where_a_steps_time_goes_and_the_prompts_share():
     assert (h.decode_ms, h.prefill_time_share) == (50.0, pytest.approx(1 / 3, abs=1e-4))
     assert b.verify_ms is None and "prefill_share" not in b.model_dump() and "prefill_share" in h.model_dump()
     assert "decode_ms" not in b.model_dump()
+    # two prefilling steps of 0.1 s (their time, 0.2 s, less two decoding steps of 0.05 s), and the two
+    # requests' first steps at 0.05 s shared by four: 0.125 s of the 0.6 s no τ shortens
+    assert h.fixed_time_share == pytest.approx(0.125 / 0.6, abs=1e-4)
+    assert "work no draft can shorten (what the prompts add to their steps, and each request's first step) took " \
+           "21% of its engine's time at c4" in verdict(rows, [], 2.0)
+    # step files without decoding steps' time (older runs): the prompts' share of the tokens
+    older = head.model_copy(update={"engine_steps": {"3-4": {
+        k: v for k, v in head.engine_steps["3-4"].items() if k not in ("decode_steps", "decode_s")}}})
+    old_rows = study_rows([base, older])
+    assert all(r.fixed_time_share is None for r in old_rows)
     assert "the prompts' prefill, which speculation does not shorten, was 25% of the tokens its target ran at c4" \
-        in verdict(rows, [], 2.0)
+        in verdict(old_rows, [], 2.0)
 
 
 def test_a_runs_report_gains_the_step_table_where_its_points_have_step_counts(tmp_path):

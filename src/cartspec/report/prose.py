@@ -187,12 +187,7 @@ def verdict(rows: list[StudyRow], caps: list[CapacityRow], slo: float, tests: li
             s += f"; it pays at {', '.join(load(p) for p in wins)} and loses at the other loads"
         else:
             s += "; faster at every load measured"
-        shares = [p for p in pts if p.prefill_share is not None]
-        if shares:  # what a better draft cannot shorten, at the lightest and the heaviest load
-            lo, hi = shares[0], shares[-1]
-            s += (f"; the prompts' prefill, which speculation does not shorten, was {lo.prefill_share:.0%} of the "
-                  f"tokens its target ran at {load(lo)}"
-                  + (f" and {hi.prefill_share:.0%} at {load(hi)}" if hi is not lo else ""))
+        s += fixed_part(pts, load)
         others = [d for d in by_dep if d != best]
         if others:
             s += " (others: " + "; ".join(f"{d} ×{geo(by_dep[d]):.2f}" for d in others) + ")"
@@ -207,6 +202,26 @@ def verdict(rows: list[StudyRow], caps: list[CapacityRow], slo: float, tests: li
     if parity:
         parts.append(parity + ".")
     return " ".join(parts) + quality_alarm(ok, tests=tests) + tail
+
+
+def fixed_part(pts: list[StudyRow], load) -> str:
+    """What a better draft cannot shorten, at the lightest and the heaviest load of ``pts`` (sorted by load):
+    the share of the engine's time no τ shortens (``StudyRow.fixed_time_share``: what the prompts add to
+    their steps, and each request's first step), else, for points counted before that, the prompts' share of
+    the tokens the target ran; "" where the points have no step counts."""
+    timed = [p for p in pts if p.fixed_time_share is not None]
+    if timed:
+        lo, hi = timed[0], timed[-1]
+        return (f"; work no draft can shorten (what the prompts add to their steps, and each request's first "
+                f"step) took {lo.fixed_time_share:.0%} of its engine's time at {load(lo)}"
+                + (f" and {hi.fixed_time_share:.0%} at {load(hi)}" if hi is not lo else ""))
+    shares = [p for p in pts if p.prefill_share is not None]
+    if not shares:
+        return ""
+    lo, hi = shares[0], shares[-1]
+    return (f"; the prompts' prefill, which speculation does not shorten, was {lo.prefill_share:.0%} of the "
+            f"tokens its target ran at {load(lo)}"
+            + (f" and {hi.prefill_share:.0%} at {load(hi)}" if hi is not lo else ""))
 
 
 def quality_alarm(ok: list[StudyRow], margin: float = 0.05, tests: list[QualityTest] | None = None) -> str:
