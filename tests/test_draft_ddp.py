@@ -38,9 +38,12 @@ if rank == 0:
 
 def _run(cmd, env, out: Path | None = None):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and "SIGABRT" in proc.stderr and out is not None:
-        # gloo on this 2-core CPU aborts a rank about once in ten runs ("terminate called without an active
-        # exception"); one clean rerun, from an empty output directory, then the run must pass
+    if proc.returncode != 0 and out is not None:
+        # gloo on a 2-core CPU loses a rank now and then (an abort, "terminate called without an active
+        # exception", about once in ten runs; under the whole suite's load other ways too): one clean rerun,
+        # from an empty output directory, then the run must pass. The first failure is printed (pytest -rA
+        # or a failing run shows it), so that a rerun is never silent.
+        print(f"\n[ddp] rerun after rc {proc.returncode}: " + proc.stderr[-1500:])
         shutil.rmtree(out, ignore_errors=True)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:] + "\n--- stdout ---\n" + proc.stdout[-1000:]
