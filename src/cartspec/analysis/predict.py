@@ -64,8 +64,8 @@ class Prediction(FileModel):
     reference_tau: float | None = None
     points: list[PredictedPoint] = Field(default_factory=list)
     skipped: list[str] = Field(default_factory=list, description="T=0 points left out, and why")
-    note: str = ("equal step costs: a bound that a drafter whose own work costs more per step than the "
-                 "deployment's runs below")
+    note: str = ("a bound, with the deployment's step costs: a drafter whose own work costs more per step runs "
+                 "below it")
 
 
 def pick_deployment(rows: list[StudyRow], gamma: int, method: str | None, head: str | None,

@@ -306,8 +306,8 @@ def predict(
                   f"×{p.ratio:.3f}", f"{p.predicted_throughput:.1f}", sp)
     Console(width=None if sys.stdout.isatty() else 170).print(t)
     for s in res.skipped:
-        console.print(f"[yellow]left out[/] {s}")
-    console.print(f"a bound: {res.note}")
+        console.print(f"[yellow]left out[/] {s}", soft_wrap=True)
+    console.print(res.note, soft_wrap=True)
     if out is not None:
         res.save(out)
         console.print(f"-> {out}")
