@@ -45,6 +45,9 @@ def test_the_tau_ratio_divides_only_the_time_tau_shortens():
     # a paired reference: its τ, not the point's, is the ratio's denominator
     paired = predict(rows, _report(3.3), reference=_report(3.2))
     assert paired.points[0].tau_ratio == pytest.approx(3.3 / 3.2) and paired.reference_tau == 3.2
+    # the gate's two reports (no --data name, no head name, the same held-out requests) pair as well
+    gate = predict(rows, _report(3.3, data=None, head=None), reference=_report(3.2, data=None, head=None))
+    assert gate.deployment == "eagle3-domain-g3" and gate.points[0].tau_ratio == pytest.approx(3.3 / 3.2)
     # the same τ as the point's predicts the point
     assert predict(rows, _report(3.0)).points[0].predicted_throughput == pytest.approx(50.0)
 
