@@ -413,12 +413,14 @@ def test_the_report_shows_where_a_steps_time_goes_and_the_prompts_share():
     Points without counters (older runs) leave all three out of the summary."""
     from cartspec.analysis.rows import study_rows
     from cartspec.report.prose import verdict
+    from cartspec.results import AcceptanceStats
 
     base = _sliced("baseline", "none", None, [100.0, 100.0])
     head = _sliced("eagle3-domain-g3", "eagle3", 3, [150.0, 150.0])
     head = head.model_copy(update={"engine_steps": {
         "3-4": {"steps": 10, "draft_s": 0.1, "verify_s": 0.5, "gc_s": 0.0, "requests": 40, "tokens": 200,
-                "prompt_tokens": 50, "drafted": 0, "kept": 0, "decode_steps": 8, "decode_s": 0.4}}})
+                "prompt_tokens": 50, "drafted": 0, "kept": 0, "decode_steps": 8, "decode_s": 0.4}},
+        "acceptance": AcceptanceStats(drafted=30, accepted=20, steps=10)})  # τ 3 at γ=3
     rows = study_rows([base, head])
     b, h = sorted(rows, key=lambda r: r.speculative)
     assert (h.draft_ms, h.verify_ms, h.prefill_share) == (10.0, 50.0, 0.25)
@@ -430,6 +432,21 @@ def test_the_report_shows_where_a_steps_time_goes_and_the_prompts_share():
     assert h.fixed_time_share == pytest.approx(0.125 / 0.6, abs=1e-4)
     assert "work no draft can shorten (what the prompts add to their steps, and each request's first step) took " \
            "21% of its engine's time at c4" in verdict(rows, [], 2.0)
+    # a draft accepted in full (τ = γ + 1 = 4) with the same step costs: the decoding share divided by 4 / τ
+    full = 1 / ((1 - 0.125 / 0.6) / (4 / 3) + 0.125 / 0.6)
+    assert h.tau == 3.0
+    assert h.draft_headroom == pytest.approx(full, abs=1e-4) and full > 1.0 and b.draft_headroom is None
+    assert f"so a draft accepted in full would add at most {full - 1:.0%} with the same step costs" \
+        in verdict(rows, [], 2.0)
+    # drafters that draft less than γ where they find nothing (the schema drafter, n-gram), or a draft cut per
+    # request: their τ does not say what a full draft would cost, so no headroom
+    for dep, spec in (("schema-g3", {"method": "schema", "num_speculative_tokens": 3}),
+                      ("ngram-g3", {"method": "ngram", "num_speculative_tokens": 3}),
+                      ("eagle3-domain-stop0.9-g3", {**head.config.spec["speculative"], "draft_stop": 0.9})):
+        cfg = head.config.model_copy(update={"deployment": dep, "method": spec["method"],
+                                             "spec": {"speculative": spec}})
+        row = next(r for r in study_rows([base, head.model_copy(update={"config": cfg})]) if r.deployment == dep)
+        assert row.fixed_time_share is not None and row.draft_headroom is None, dep
     # step files without decoding steps' time (older runs): the prompts' share of the tokens
     older = head.model_copy(update={"engine_steps": {"3-4": {
         k: v for k, v in head.engine_steps["3-4"].items() if k not in ("decode_steps", "decode_s")}}})

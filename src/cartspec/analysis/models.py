@@ -88,7 +88,11 @@ class StudyRow(BaseModel):
     fixed_time_share: float | None = Field(None, description="of the engine steps' time, the part no τ can "
                                            "shorten: each prefilling step's time above a decoding step's, and "
                                            "a request's first step shared by the batch (vllm_plugin.steps)")
-    _without_unknown_steps = omit_when_none(*STEP_FIELDS)  # points without step counts
+    draft_headroom: float | None = Field(None, description="points drafting γ tokens a step "
+                                         "(analysis.rows.full_drafts): the speed-up over the point a draft "
+                                         "accepted in full (τ = γ + 1) would give with equal step costs, the fixed "
+                                         "share as it was: the most a better draft at this γ can add")
+    _without_unknown_steps = omit_when_none(*STEP_FIELDS, "draft_headroom")  # points without step counts
 
     @property
     def ok(self) -> bool:

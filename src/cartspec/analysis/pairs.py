@@ -23,17 +23,10 @@ from __future__ import annotations
 
 from ..results import PointResult
 from .models import PairRow, StudyRow
-from .rows import slice_ratio_ci
+from .rows import attainable, slice_ratio_ci
 from .specs import measured_spec
 
 GOAL_SHARE = 0.8  # of the τ gain, the share the hybrid is to keep as speed (``goal``)
-
-
-def attainable(tau_ratio: float, fixed_time_share: float) -> float:
-    """Hybrid ÷ head throughput with equal step costs: the share of the time that τ shortens divided by the τ
-    ratio, the fixed share as it was (module doc)."""
-    s = min(max(fixed_time_share, 0.0), 1.0)
-    return 1.0 / ((1.0 - s) / tau_ratio + s)
 
 
 def _draft_stop(r: StudyRow, specs: dict) -> float | None:

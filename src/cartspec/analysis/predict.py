@@ -7,7 +7,7 @@ their steps, and each request's first step). A candidate drafter at the same γ 
 
     predicted = throughput × attainable(r, s),        r = τ_candidate / τ_reference
 
-(``analysis.pairs.attainable``: the τ ratio divides the share of the time that τ shortens, the fixed share
+(``analysis.rows.attainable``: the τ ratio divides the share of the time that τ shortens, the fixed share
 stays). τ_reference is, where given, a report of the deployment's own drafter measured on the candidate's
 requests (the ratio is then paired, request set for request set), else each point's own τ (the study's
 requests, which need not be the candidate's: the command says so).
@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 from ..config_files import FileModel
 from ..draft.acceptance import AcceptanceReport
 from .models import StudyRow
-from .pairs import attainable
+from .rows import attainable
 
 DRAFTERS = ("eagle3", "hybrid")  # the methods whose τ a head's acceptance report measures
 

@@ -53,13 +53,37 @@ def pooled_ratio_ci(pairs: Sequence[tuple[PointResult, PointResult]]) -> tuple[f
     return math.exp(mean - half), math.exp(mean + half)
 
 
+def attainable(tau_ratio: float, fixed_time_share: float) -> float:
+    """Throughput over a point's with τ multiplied by ``tau_ratio`` and equal step costs: the share of the time
+    that τ shortens (a reply's decoding steps) divided by the ratio, the fixed share (``StudyRow.fixed_time_share``)
+    as it was."""
+    s = min(max(fixed_time_share, 0.0), 1.0)
+    return 1.0 / ((1.0 - s) / tau_ratio + s)
+
+
 def _step_figures(r: PointResult) -> dict:
     """The point's engine steps (patch ``step_stats``): drafting and verifying ms a step, the prompts' share
-    of the tokens, a decoding step's ms and the share of the time in steps that prefilled."""
+    of the tokens, a decoding step's ms and the share of the time in steps that prefilled; for a speculative
+    point, what a draft accepted in full would add (``StudyRow.draft_headroom``)."""
     s = step_summary(r.engine_steps or {}) if r.status == "ok" else None
     if not s:
         return {}
-    return {f: s.get(f) for f in STEP_FIELDS}
+    out = {f: s.get(f) for f in STEP_FIELDS}
+    gamma, tau, fixed = r.config.gamma, r.tau, out.get("fixed_time_share")
+    if full_drafts(r) and gamma and tau and fixed is not None:
+        out["draft_headroom"] = attainable((gamma + 1) / tau, fixed)
+    return out
+
+
+def full_drafts(r: PointResult) -> bool:
+    """Whether every step of the point drafts γ tokens for each request (a head or a draft model at a fixed γ,
+    with or without the hybrid's copies), so that its τ and its step costs say what a draft accepted in full
+    would give. n-gram lookup and the schema drafter draft less, or nothing, where they find nothing; a
+    schedule or a draft cut per request varies γ."""
+    spec = measured_spec(r.config)
+    sp = spec.speculative if spec is not None else None
+    return (r.config.method in ("eagle3", "hybrid", "draft_model") and sp is not None and not sp.adaptive
+            and not sp.schedule and sp.draft_stop is None)
 
 
 def study_rows(results: list[PointResult]) -> list[StudyRow]:

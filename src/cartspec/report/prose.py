@@ -207,14 +207,19 @@ def verdict(rows: list[StudyRow], caps: list[CapacityRow], slo: float, tests: li
 def fixed_part(pts: list[StudyRow], load) -> str:
     """What a better draft cannot shorten, at the lightest and the heaviest load of ``pts`` (sorted by load):
     the share of the engine's time no τ shortens (``StudyRow.fixed_time_share``: what the prompts add to
-    their steps, and each request's first step), else, for points counted before that, the prompts' share of
+    their steps, and each request's first step) and what a draft accepted in full would add there
+    (``StudyRow.draft_headroom``), else, for points counted before that, the prompts' share of
     the tokens the target ran; "" where the points have no step counts."""
     timed = [p for p in pts if p.fixed_time_share is not None]
     if timed:
         lo, hi = timed[0], timed[-1]
-        return (f"; work no draft can shorten (what the prompts add to their steps, and each request's first "
-                f"step) took {lo.fixed_time_share:.0%} of its engine's time at {load(lo)}"
-                + (f" and {hi.fixed_time_share:.0%} at {load(hi)}" if hi is not lo else ""))
+        s = (f"; work no draft can shorten (what the prompts add to their steps, and each request's first "
+             f"step) took {lo.fixed_time_share:.0%} of its engine's time at {load(lo)}"
+             + (f" and {hi.fixed_time_share:.0%} at {load(hi)}" if hi is not lo else ""))
+        if lo.draft_headroom is not None and hi.draft_headroom is not None:
+            s += (f", so a draft accepted in full would add at most {lo.draft_headroom - 1:.0%}"
+                  + (f" and {hi.draft_headroom - 1:.0%}" if hi is not lo else "") + " with the same step costs")
+        return s
     shares = [p for p in pts if p.prefill_share is not None]
     if not shares:
         return ""

@@ -91,13 +91,16 @@ drafters) and the rest (the target's forward over the drafts, sampling, verifica
 the target ran, the prompts' share; in time, the share of the steps' time spent in steps that prefilled a prompt.
 Such a step also decodes the other requests in the batch; fixed: the part of the time no τ can shorten (what the
 prompts add to their steps, and each request's first step, shared by the batch). The higher it is, the less a better
-draft can speed up the point. Decoding step: the ms of a step that prefilled nothing, the cost a draft's τ divides.</p>
+draft can speed up the point. Decoding step: the ms of a step that prefilled nothing, the cost a draft's τ divides.
+A full draft: for a head or the hybrid at a fixed γ, the speed-up over the point if every drafted token were accepted
+(τ = γ + 1), with the point's step costs and its fixed share: the most a better draft at this γ can add.</p>
 <table id="steps"><tr><th class="l">deployment</th><th>load</th><th>T</th><th class="l">set</th><th>drafting ms</th>
-<th>rest ms</th><th>prefill</th><th>prefill, in time</th><th>fixed, in time</th><th>decoding step ms</th></tr>
+<th>rest ms</th><th>prefill</th><th>prefill, in time</th><th>fixed, in time</th><th>decoding step ms</th><th>a full draft</th></tr>
 {% for r in stepped %}<tr><td class="l">{{ r.deployment }}</td>
 <td>{{ r.concurrency if r.mode == "closed" else r.rate ~ "/s" }}</td><td>{{ r.temperature }}</td><td class="l">{{ r.request_set }}</td>
 <td>{{ num(r.draft_ms, 1) }}</td><td>{{ num(r.verify_ms, 1) }}</td><td>{{ pct(r.prefill_share) }}</td>
-<td>{{ pct(r.prefill_time_share) }}</td><td>{{ pct(r.fixed_time_share) }}</td><td>{{ num(r.decode_ms, 1) }}</td></tr>
+<td>{{ pct(r.prefill_time_share) }}</td><td>{{ pct(r.fixed_time_share) }}</td><td>{{ num(r.decode_ms, 1) }}</td>
+<td>{% if r.draft_headroom %}×{{ num(r.draft_headroom, 2) }}{% else %}–{% endif %}</td></tr>
 {% endfor %}</table>
 
 {% endif %}{% set failed = rows|selectattr("status", "equalto", "failed")|list %}
