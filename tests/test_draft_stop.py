@@ -327,6 +327,25 @@ def test_step_stats_time_drafting_and_verifying_by_batch_size(monkeypatch, tmp_p
     assert steps.summary({}) is None and steps.read(tmp_path / "none.json") == {}
 
 
+def test_the_last_steps_before_the_engine_goes_idle_are_written(monkeypatch, tmp_path):
+    """The counters are written at most every EVERY_S; steps that close sooner after a write, with no step
+    after them (the engine idle at the end of a point), are written by the flusher once EVERY_S has passed, so
+    a reader that waits that long reads them (the study's loads do)."""
+    import time
+
+    path = tmp_path / "steps.json"
+    monkeypatch.setattr(steps, "EVERY_S", 0.3)
+    st = steps.Stats(str(path))
+    st.close_step(2, 8, 0, 0)  # written at once: the first write
+    assert steps.read(path)["2"]["steps"] == 1
+    for _ in range(4):  # within EVERY_S of that write: held back
+        st.close_step(2, 8, 0, 0)
+    assert steps.read(path)["2"]["steps"] == 1
+    time.sleep(3 * steps.EVERY_S)  # the engine idle: no step closes to write them
+    assert steps.read(path)["2"]["steps"] == 5
+    assert st.flusher is not None and st.flusher.daemon and not st.dirty
+
+
 def test_a_runner_that_did_not_ask_drafts_as_vllm_does():
     mod = _stand_in({}, [[0.3, 0.3, 0.3]])  # path 0.027: a runner that asked would cut it all
     draft_stop.apply(mod)

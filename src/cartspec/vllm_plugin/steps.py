@@ -17,7 +17,9 @@ cartspec drafter: hybrid, schema, draft length), and counts per step:
 * the tokens drafted and kept where a draft is cut per request (``draft_stop``).
 
 Counts are kept per batch-size bucket (``BUCKETS``) and written, at most every ``EVERY_S`` seconds and
-atomically, as JSON to the file named by ``CARTSPEC_STEP_STATS`` (``VllmServer`` names one beside its
+atomically, as JSON to the file named by ``CARTSPEC_STEP_STATS``; a step that closes within ``EVERY_S`` of the
+last write is written by a background thread once that time has passed, so that the file holds every step
+``EVERY_S`` after the engine went idle (a reader that waits that long reads a run's last steps) (``VllmServer`` names one beside its
 log). ``read`` reads it back; the agent exports it in ``/metrics`` and its trace lines, and a study point
 records its own steps (the difference of two reads). Without the variable nothing is written.
 """
@@ -28,6 +30,7 @@ import functools
 import gc
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -62,6 +65,9 @@ class Stats:
         self.by: dict[str, dict[str, float]] = {}
         self.pending: dict[str, float] = {}  # the step being run: filled by the three wraps
         self.last_write = 0.0
+        self.dirty = False  # steps closed since the last write
+        self.lock = threading.Lock()  # the counters, between the engine's thread and the flusher
+        self.flusher: threading.Thread | None = None
         self.pid = os.getpid()
 
     def add(self, field: str, value: float) -> None:
@@ -69,6 +75,16 @@ class Stats:
 
     def close_step(self, requests: int, tokens: int, prompt: int, prompts: int) -> None:
         p, self.pending = self.pending, {}
+        with self.lock:
+            self._count(p, requests, tokens, prompt, prompts)
+            self.dirty = True
+            if self.path is not None and time.monotonic() - self.last_write >= EVERY_S:
+                self._write()
+        if self.path is not None and self.flusher is None:
+            self.flusher = threading.Thread(target=self._flush_loop, name="cartspec-step-stats", daemon=True)
+            self.flusher.start()
+
+    def _count(self, p: dict[str, float], requests: int, tokens: int, prompt: int, prompts: int) -> None:
         row = self.by.setdefault(bucket_of(requests), dict.fromkeys(FIELDS, 0.0))
         row["steps"] += 1
         row["requests"] += requests
@@ -84,12 +100,16 @@ class Stats:
             row["decode_s"] += p.get("step_s", 0.0)
         row["drafted"] += p.get("drafted", 0.0)
         row["kept"] += p.get("kept", 0.0)
-        now = time.monotonic()
-        if self.path is not None and now - self.last_write >= EVERY_S:
-            self.last_write = now
-            self.write()
 
-    def write(self) -> None:
+    def _flush_loop(self) -> None:
+        while True:
+            time.sleep(EVERY_S)
+            with self.lock:
+                if self.dirty and time.monotonic() - self.last_write >= EVERY_S:
+                    self._write()
+
+    def _write(self) -> None:  # with the lock held
+        self.last_write, self.dirty = time.monotonic(), False
         tmp = self.path.with_name(f".{self.path.name}.{self.pid}")
         try:
             tmp.write_text(json.dumps({"pid": self.pid, "time": time.time(), "by_batch": self.by}))
