@@ -102,11 +102,16 @@ class Stats:
         row["kept"] += p.get("kept", 0.0)
 
     def _flush_loop(self) -> None:
+        """Write held-back steps when EVERY_S has passed since the last write: within EVERY_S of the step
+        that closed last, whenever it closed (a check that found nothing held back sleeps EVERY_S; the step
+        that then closes came after the last write, which is at most that long before the next check)."""
         while True:
-            time.sleep(EVERY_S)
             with self.lock:
-                if self.dirty and time.monotonic() - self.last_write >= EVERY_S:
+                due = self.last_write + EVERY_S - time.monotonic() if self.dirty else EVERY_S
+                if due <= 0:
                     self._write()
+                    due = EVERY_S
+            time.sleep(max(due, 0.005))
 
     def _write(self) -> None:  # with the lock held
         self.last_write, self.dirty = time.monotonic(), False
