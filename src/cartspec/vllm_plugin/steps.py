@@ -17,11 +17,12 @@ cartspec drafter: hybrid, schema, draft length), and counts per step:
 * the tokens drafted and kept where a draft is cut per request (``draft_stop``).
 
 Counts are kept per batch-size bucket (``BUCKETS``) and written, at most every ``EVERY_S`` seconds and
-atomically, as JSON to the file named by ``CARTSPEC_STEP_STATS``; a step that closes within ``EVERY_S`` of the
-last write is written by a background thread once that time has passed, so that the file holds every step
-``EVERY_S`` after the engine went idle (a reader that waits that long reads a run's last steps) (``VllmServer`` names one beside its
-log). ``read`` reads it back; the agent exports it in ``/metrics`` and its trace lines, and a study point
-records its own steps (the difference of two reads). Without the variable nothing is written.
+atomically, as JSON to the file named by ``CARTSPEC_STEP_STATS`` (``VllmServer`` names one beside its log).
+A step that closes within ``EVERY_S`` of the last write is written by a background thread once that time has
+passed, so that the file holds every step ``EVERY_S`` after the engine went idle: a reader that waits that
+long reads a run's last steps. ``read`` reads it back; the agent exports it in ``/metrics`` and its trace
+lines, and a study point records its own steps (the difference of two reads). Without the variable nothing is
+written.
 """
 
 from __future__ import annotations
