@@ -8,6 +8,7 @@ from typing import Sequence
 from ..results import PointResult, baseline_for, baselines, matched_records
 from ..vllm_plugin.steps import summary as step_summary
 from .models import STEP_FIELDS, QualityTest, StudyRow
+from ..serving.spec import DeploymentSpec
 from .specs import measured_spec
 
 
@@ -61,7 +62,7 @@ def attainable(tau_ratio: float, fixed_time_share: float) -> float:
     return 1.0 / ((1.0 - s) / tau_ratio + s)
 
 
-def _step_figures(r: PointResult) -> dict:
+def _step_figures(r: PointResult, spec: DeploymentSpec | None) -> dict:
     """The point's engine steps (patch ``step_stats``): drafting and verifying ms a step, the prompts' share
     of the tokens, a decoding step's ms and the share of the time in steps that prefilled; for a speculative
     point, what a draft accepted in full would add (``StudyRow.draft_headroom``)."""
@@ -70,17 +71,16 @@ def _step_figures(r: PointResult) -> dict:
         return {}
     out = {f: s.get(f) for f in STEP_FIELDS}
     gamma, tau, fixed = r.config.gamma, r.tau, out.get("fixed_time_share")
-    if full_drafts(r) and gamma and tau and fixed is not None:
+    if full_drafts(r, spec) and gamma and tau and fixed is not None:
         out["draft_headroom"] = attainable((gamma + 1) / tau, fixed)
     return out
 
 
-def full_drafts(r: PointResult) -> bool:
+def full_drafts(r: PointResult, spec: DeploymentSpec | None) -> bool:
     """Whether every step of the point drafts γ tokens for each request (a head or a draft model at a fixed γ,
     with or without the hybrid's copies), so that its τ and its step costs say what a draft accepted in full
     would give. n-gram lookup and the schema drafter draft less, or nothing, where they find nothing; a
-    schedule or a draft cut per request varies γ."""
-    spec = measured_spec(r.config)
+    schedule or a draft cut per request varies γ. ``spec``: the point's (``measured_spec``)."""
     sp = spec.speculative if spec is not None else None
     return (r.config.method in ("eagle3", "hybrid", "draft_model") and sp is not None and not sp.adaptive
             and not sp.schedule and sp.draft_stop is None)
@@ -114,7 +114,7 @@ def study_rows(results: list[PointResult]) -> list[StudyRow]:
             speedup_vs_baseline=speedup, e2el_p50_ratio_vs_baseline=lat,
             speedup_ci95=slice_ratio_ci(r, b) if speedup is not None and c.method != "none" else None,
             json_valid=r.json_valid, exact_match=r.exact_match, agreement_vs_baseline=agree, key=r.key,
-            **_step_figures(r)))
+            **_step_figures(r, spec)))
     return rows
 
 
