@@ -265,7 +265,11 @@ def test_cli(home, tmp_path):
     res, out = _run("heads", "show", "shop")
     assert res.exit_code == 0, out
     assert "shop@v0002 current" in out and "new target" in out and "\"eligible\": false" in out
+    # v1 is pinned to the target before the forced change: going back to it needs --force as promoting does
     res, out = _run("heads", "rollback", "shop", "--reason", "drill")
+    assert res.exit_code == 2 and "shop@v0001 is pinned to target 52ff126cc750faa7" in out and "--force" in out
+    assert HeadRegistry("shop").current().version == "v0002"
+    res, out = _run("heads", "rollback", "shop", "--reason", "drill", "--force")
     assert res.exit_code == 0, out
     assert HeadRegistry("shop").current().version == "v0001"
     res, out = _run("heads", "show", "shop@v1")

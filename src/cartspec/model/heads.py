@@ -14,8 +14,13 @@ authority on which version is current; the ``status`` recorded in each version.j
 crash between the two writes is read back consistently). A version directory is a normal head
 directory, so serving checks it against the served target (``check_head``) like any other head.
 
-Every version records the target digest its config.json names. ``add`` and ``promote`` refuse
-(``HeadPinError``) a head pinned to another target than the current version, unless forced.
+Every version records the target digest its config.json names. ``add``, ``promote`` and ``rollback``
+refuse (``HeadPinError``) a head pinned to another target than the current version, unless forced.
+
+A version whose version.json cannot be read or parsed is corrupt: ``versions`` leaves it out, ``scan`` lists
+it (a ``CorruptVersion`` with the reason), and ``get`` / ``current`` raise ``CorruptVersionError`` for it.
+The registry's directories are 0700 and its files 0600 (``private_files``): a head's provenance names the
+traffic it was trained on.
 """
 
 from __future__ import annotations
@@ -30,16 +35,19 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..paths import home
+from ..private_files import open_private, private_dir, write_private
 from ..task.data import read_jsonl
 from .convert import ModelNotFound
 from .registry import head_target
 
 Status = Literal["candidate", "current", "retired", "rejected"]
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-VERSION_RE = re.compile(r"^v?(\d+)$")
+NAME_MAX = 64
+# matched with fullmatch: "$" alone would let a trailing newline through ("shop\n")
+NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{NAME_MAX - 1}}}")
+VERSION_RE = re.compile(r"v?(\d{1,9})")
 VERSION_FILE = "version.json"
 GATE_FILE = "gate.json"
 _NOT_COPIED = (VERSION_FILE, GATE_FILE, "__pycache__", ".*")
@@ -51,6 +59,11 @@ class HeadRegistryError(ValueError):
 
 class HeadPinError(HeadRegistryError):
     """A head pinned to another target digest than the registry's current version."""
+
+
+class CorruptVersionError(HeadRegistryError, ModelNotFound):
+    """A version whose version.json is missing, unreadable or invalid: it cannot be served or changed (a
+    ModelNotFound too, so that commands resolving a head report it as they report a missing one)."""
 
 
 class HeadVersion(BaseModel):
@@ -73,19 +86,54 @@ class HeadVersion(BaseModel):
         return f"{self.name}@{self.version}"
 
 
+class CorruptVersion(BaseModel):
+    """A version directory whose version.json cannot be loaded, and why."""
+
+    name: str
+    version: str
+    path: Path
+    reason: str
+    status: Literal["corrupt"] = "corrupt"
+
+    @property
+    def ref(self) -> str:
+        return f"{self.name}@{self.version}"
+
+    def error(self) -> CorruptVersionError:
+        return CorruptVersionError(
+            f"{self.ref} is corrupt ({self.reason}): restore {self.path / VERSION_FILE} from a backup, or remove "
+            f"{self.path} (the other versions are unaffected; see `cartspec heads list {self.name}`)")
+
+
 def default_root() -> Path:
     return home() / "heads"
 
 
+def shown(text: str, limit: int = 40) -> str:
+    """``text`` quoted for a one-line message, its middle elided when long (a 10,000-character argument)."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit - 8]!r}... ({len(text)} characters)"
+
+
 def valid_name(name: str) -> bool:
-    return bool(NAME_RE.match(name)) and "@" not in name
+    return bool(NAME_RE.fullmatch(name))
+
+
+def check_name(name: str) -> str:
+    """``name`` when it is a valid registry name, else HeadRegistryError saying what a name may be."""
+    if not valid_name(name):
+        raise HeadRegistryError(f"{shown(name)} is not a head registry name: 1 to {NAME_MAX} characters, letters, "
+                                "digits, '.', '_', '-', starting with a letter or digit (no spaces, newlines, "
+                                "'@' or '/')")
+    return name
 
 
 def normalize_version(version: str) -> str:
     """``v2``, ``2``, ``v0002`` -> ``v0002``; raises HeadRegistryError for anything else."""
-    m = VERSION_RE.match(version.strip())
+    m = VERSION_RE.fullmatch(version)
     if not m:
-        raise HeadRegistryError(f"{version!r} is not a head version: versions are named v0001, v0002, ...")
+        raise HeadRegistryError(f"{shown(version)} is not a head version: versions are named v0001, v0002, ...")
     return f"v{int(m.group(1)):04d}"
 
 
@@ -97,23 +145,40 @@ def parse_ref(ref: str) -> tuple[str, str | None]:
     return name, normalize_version(version)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with tmp.open("w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def _copy_private(src: Path, dst: Path) -> None:
+    """Copy a head directory's files into ``dst`` as 0600 files in 0700 directories (``shutil.copytree`` would
+    keep the source's modes). A version's own records (version.json, gate.json) and hidden files are left out."""
+    private_dir(dst)
+    names = os.listdir(src)
+    skipped = shutil.ignore_patterns(*_NOT_COPIED)(str(src), names)
+    for entry in sorted(set(names) - skipped):
+        s, d = src / entry, dst / entry
+        if s.is_dir():
+            _copy_private(s, d)
+            continue
+        with s.open("rb") as fin, open_private(d, "xb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+
+
+def _load_reason(exc: Exception) -> str:
+    """Why a version.json did not load, in one line."""
+    if isinstance(exc, ValidationError):
+        errs = exc.errors()
+        parts = [": ".join(filter(None, (".".join(map(str, e["loc"])), e["msg"]))) for e in errs[:3]]
+        more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
+        return "invalid version.json: " + "; ".join(parts) + more
+    if isinstance(exc, FileNotFoundError):
+        return "no version.json"
+    if isinstance(exc, OSError):
+        return f"version.json unreadable: {exc.strerror or exc}"
+    return f"invalid version.json: {exc}"
 
 
 class HeadRegistry:
     """The versions of one named head under ``root / name``."""
 
     def __init__(self, name: str, root: Path | None = None):
-        if not valid_name(name):
-            raise HeadRegistryError(f"{name!r} is not a head registry name: use letters, digits, '.', '_', '-' "
-                                    "(and no '@' or '/')")
-        self.name = name
+        self.name = check_name(name)
         self.root = Path(root) if root is not None else default_root()
         self.dir = self.root / name
 
@@ -134,10 +199,15 @@ class HeadRegistry:
         if not path.exists():
             return None
         name = path.read_text().strip()
-        return name or None
+        # only a version's name: a hand-edited "../x" must not lead outside versions/
+        return name if VERSION_RE.fullmatch(name) else None
 
-    def _load(self, vdir: Path, current: str | None) -> HeadVersion:
-        v = HeadVersion.model_validate_json((vdir / VERSION_FILE).read_text())
+    def _read(self, vdir: Path, current: str | None) -> HeadVersion | CorruptVersion:
+        """A version directory's HeadVersion, or a CorruptVersion saying why its version.json did not load."""
+        try:
+            v = HeadVersion.model_validate_json((vdir / VERSION_FILE).read_bytes())
+        except (OSError, ValueError) as exc:  # ValidationError is a ValueError
+            return CorruptVersion(name=self.name, version=vdir.name, path=vdir, reason=_load_reason(exc))
         v = v.model_copy(update={"path": vdir, "name": self.name, "version": vdir.name})
         if v.version == current and v.status != "current":
             v = v.model_copy(update={"status": "current"})
@@ -145,13 +215,23 @@ class HeadRegistry:
             v = v.model_copy(update={"status": "retired"})
         return v
 
-    def versions(self) -> list[HeadVersion]:
-        """Every version, oldest first."""
+    def _load(self, vdir: Path, current: str | None) -> HeadVersion:
+        v = self._read(vdir, current)
+        if isinstance(v, CorruptVersion):
+            raise v.error()
+        return v
+
+    def scan(self) -> list[HeadVersion | CorruptVersion]:
+        """Every version directory, oldest first: corrupt ones as CorruptVersion (for listing them)."""
         if not self.exists():
             return []
         current = self._current_name()
-        return [self._load(d, current) for d in sorted(self.versions_dir.iterdir())
-                if d.is_dir() and VERSION_RE.match(d.name) and (d / VERSION_FILE).exists()]
+        return [self._read(d, current) for d in sorted(self.versions_dir.iterdir())
+                if VERSION_RE.fullmatch(d.name) and d.is_dir()]
+
+    def versions(self) -> list[HeadVersion]:
+        """Every version that loads, oldest first (corrupt ones are left out: see ``scan``)."""
+        return [v for v in self.scan() if isinstance(v, HeadVersion)]
 
     def get(self, version: str) -> HeadVersion:
         """One version (``v2`` / ``v0002`` / ``NAME@v0002``); ModelNotFound when there is none."""
@@ -162,15 +242,16 @@ class HeadRegistry:
             version = ver or ""
         version = normalize_version(version)
         vdir = self.versions_dir / version
-        if not (vdir / VERSION_FILE).exists():
-            known = ", ".join(v.version for v in self.versions()) or "none"
+        if not vdir.is_dir():
+            known = ", ".join(v.version for v in self.scan()) or "none"
             raise ModelNotFound(f"the head registry {self.name!r} ({self.dir}) has no version {version} "
                                 f"(versions: {known}); see `cartspec heads list {self.name}`")
         return self._load(vdir, self._current_name())
 
     def current(self) -> HeadVersion | None:
+        """The current version; None when there is none. CorruptVersionError when it is corrupt."""
         name = self._current_name()
-        if name is None or not (self.versions_dir / name / VERSION_FILE).exists():
+        if name is None or not (self.versions_dir / name).is_dir():
             return None
         return self._load(self.versions_dir / name, name)
 
@@ -179,15 +260,20 @@ class HeadRegistry:
         return read_jsonl(self.events_path)
 
     def gate(self, version: str) -> dict[str, Any] | None:
-        """The offline gate's decision written beside a version, if any."""
+        """The offline gate's decision written beside a version, if any; HeadRegistryError when it is corrupt."""
         path = self.get(version).path / GATE_FILE
-        return json.loads(path.read_text()) if path.exists() else None
+        if not path.exists():
+            return None
+        try:
+            return json.loads(path.read_bytes())
+        except ValueError as exc:
+            raise HeadRegistryError(f"{path} is not valid JSON ({exc}): run `cartspec draft gate` again") from None
 
     # --- writing ---------------------------------------------------------------------------------
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with (self.dir / ".lock").open("a") as fh:
+        private_dir(self.dir)
+        with open_private(self.dir / ".lock", "a") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             try:
                 yield
@@ -195,17 +281,17 @@ class HeadRegistry:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
     def _save(self, v: HeadVersion) -> None:
-        _write_atomic(v.path / VERSION_FILE, v.model_dump_json(indent=2) + "\n")
+        write_private(v.path / VERSION_FILE, v.model_dump_json(indent=2) + "\n")
 
     def _set_current(self, version: str) -> None:
-        _write_atomic(self.dir / "current", version + "\n")
+        write_private(self.dir / "current", version + "\n")
 
     def _event(self, event: str, version: str, before: str | None, after: str | None, reason: str,
                figures: dict[str, Any] | None, **extra: Any) -> None:
         rec = {"ts": time.time(), "event": event, "version": version, "from": before, "to": after,
                "reason": reason, "figures": figures or {}, **extra}
         self._repair_events()
-        with self.events_path.open("a") as fh:
+        with open_private(self.events_path, "a") as fh:
             fh.write(json.dumps(rec, default=str) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
@@ -219,12 +305,16 @@ class HeadRegistry:
         if data.endswith(b"\n"):
             return
         cut = data.rfind(b"\n") + 1
-        with path.open("r+b") as fh:
+        with open_private(path, "r+b") as fh:
             fh.truncate(cut)
 
-    def _check_pin(self, digest: str | None, what: str, force: bool) -> None:
+    def _check_pin(self, digest: str | None, what: str, force: bool, registered: bool = False) -> None:
+        """Refuse a head pinned to another target than the current version's. ``registered``: ``what`` is a
+        version of this registry (promote, rollback), not a head being added."""
+        if force:
+            return
         cur = self.current()
-        if force or cur is None or not cur.target_digest or digest == cur.target_digest:
+        if cur is None or not cur.target_digest or digest == cur.target_digest:
             return
         if digest is None:
             raise HeadPinError(
@@ -232,15 +322,27 @@ class HeadRegistry:
                 f"{cur.ref} is pinned to target {cur.target_digest} ({cur.target_name or '?'}): it cannot be "
                 "checked against the served model. Train it with `cartspec draft train` or `cartspec draft "
                 "refresh` (they record the target), or pass --force")
+        fix = (f"make current a version pinned to {cur.target_digest} (see `cartspec heads list {self.name}`)"
+               if registered else "register it under another name (`cartspec heads add OTHER_NAME ...`)")
         raise HeadPinError(
             f"{what} is pinned to target {digest} but the current version of the registry {self.name!r}, {cur.ref}, "
             f"is pinned to target {cur.target_digest} ({cur.target_name or '?'}): a head trained for another "
-            "target or adapter drafts for a model this registry does not serve. Register it under another name "
-            f"(`cartspec heads add OTHER_NAME ...`), train one for target {cur.target_digest}, or pass --force "
-            "if the served target has changed")
+            "target or adapter drafts for a model this registry does not serve, and `cartspec serve` would refuse "
+            f"it. {fix[0].upper()}{fix[1:]}, train one for target {cur.target_digest}, or pass --force if the "
+            "served target has changed")
+
+    def _check_can_become_current(self, v: HeadVersion, action: str, force: bool) -> None:
+        """What ``promote`` and ``rollback`` both refuse unless forced: a rejected version, and one pinned to
+        another target than the current version (``serve`` would refuse it as a head for the served model).
+        ``action``: "promote it" / "roll back to it", for the message."""
+        if v.status == "rejected" and not force:
+            raise HeadRegistryError(f"{v.ref} was rejected ({self._last_reason(v.version, 'reject')}); "
+                                    f"pass --force to {action} anyway")
+        self._check_pin(v.target_digest, v.ref, force, registered=True)
 
     def _next_version(self) -> str:
-        nums = [int(m.group(1)) for d in self.versions_dir.iterdir() if (m := VERSION_RE.match(d.name))] \
+        # corrupt version directories keep their number: a new version never takes the place of one
+        nums = [int(m.group(1)) for d in self.versions_dir.iterdir() if (m := VERSION_RE.fullmatch(d.name))] \
             if self.versions_dir.exists() else []
         return f"v{max(nums, default=0) + 1:04d}"
 
@@ -261,19 +363,19 @@ class HeadRegistry:
             parent = pver if pname == self.name and pver else parent
         with self._locked():
             self._check_pin(digest, f"the head {head_dir}", force)
-            self.versions_dir.mkdir(parents=True, exist_ok=True)
+            private_dir(self.versions_dir)
             version = self._next_version()
             tmp = self.versions_dir / f".{version}.{os.getpid()}.tmp"
             if tmp.exists():
                 shutil.rmtree(tmp)
-            shutil.copytree(head_dir, tmp, ignore=shutil.ignore_patterns(*_NOT_COPIED))
+            _copy_private(head_dir, tmp)
             before = self.current()
             make_current = before is None or status == "current"
             prov = {"source": str(head_dir.resolve()), **(provenance or {})}
             v = HeadVersion(name=self.name, version=version, path=self.versions_dir / version, created=time.time(),
                             parent=parent, target_digest=digest, target_name=target_name, provenance=prov,
                             status="current" if make_current else "candidate")
-            _write_atomic(tmp / VERSION_FILE, v.model_dump_json(indent=2) + "\n")
+            write_private(tmp / VERSION_FILE, v.model_dump_json(indent=2) + "\n")
             os.rename(tmp, v.path)
             if make_current:
                 if before is not None:
@@ -295,10 +397,7 @@ class HeadRegistry:
             before = self.current()
             if before is not None and before.version == v.version:
                 return v
-            if v.status == "rejected" and not force:
-                raise HeadRegistryError(f"{v.ref} was rejected ({self._last_reason(v.version, 'reject')}); "
-                                        "pass --force to promote it anyway")
-            self._check_pin(v.target_digest, v.ref, force)
+            self._check_can_become_current(v, "promote it", force)
             v = self._make_current(v, before, "promote", reason, figures, forced=force or None)
         return v
 
@@ -339,8 +438,10 @@ class HeadRegistry:
             stack.pop()
         return stack[-1] if stack else None
 
-    def rollback(self, *, reason: str, figures: dict[str, Any] | None = None, to: str | None = None) -> HeadVersion:
-        """Make the previous current version (or ``to``) current again; the rolled-back one becomes "retired"."""
+    def rollback(self, *, reason: str, figures: dict[str, Any] | None = None, to: str | None = None,
+                 force: bool = False) -> HeadVersion:
+        """Make the previous current version (or ``to``) current again; the rolled-back one becomes "retired".
+        Refuses what ``promote`` refuses (a rejected version, one pinned to another target), unless ``force``."""
         with self._locked():
             before = self.current()
             if before is None:
@@ -352,10 +453,8 @@ class HeadRegistry:
             v = self.get(target)
             if v.version == before.version:
                 raise HeadRegistryError(f"{v.ref} is already current")
-            if v.status == "rejected":
-                raise HeadRegistryError(f"{v.ref} was rejected: roll back to another version, or promote it with "
-                                        "--force")
-            return self._make_current(v, before, "rollback", reason, figures)
+            self._check_can_become_current(v, "roll back to it", force)
+            return self._make_current(v, before, "rollback", reason, figures, forced=force or None)
 
     def reject(self, version: str, *, reason: str, figures: dict[str, Any] | None = None) -> HeadVersion:
         """Mark a candidate "rejected" (turned down by the canary or the gate): promote refuses it after."""
@@ -373,7 +472,7 @@ class HeadRegistry:
     def write_gate(self, version: str, decision: dict[str, Any]) -> Path:
         """Write the offline gate's decision (and its figures) as gate.json beside the version."""
         path = self.get(version).path / GATE_FILE
-        _write_atomic(path, json.dumps(decision, indent=2, default=str) + "\n")
+        write_private(path, json.dumps(decision, indent=2, default=str) + "\n")
         return path
 
     def _last_reason(self, version: str, event: str) -> str:
@@ -413,8 +512,8 @@ def version_info(head_dir: Path) -> HeadVersion | None:
     if not path.is_file() or head_dir.parent.name != "versions":
         return None
     try:
-        v = HeadVersion.model_validate_json(path.read_text())
-    except ValueError:
+        v = HeadVersion.model_validate_json(path.read_bytes())
+    except (OSError, ValueError):  # a corrupt version.json: not a version this can name
         return None
     if v.version != head_dir.name:
         return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -20,9 +20,27 @@ heads_app = typer.Typer(no_args_is_help=True, help="Versioned draft heads under 
                                                     "add, list, show, promote, roll back.")
 
 
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)
+def _fail(message: str | Exception) -> NoReturn:
+    """Exit 2 with one line: ``message``, or an exception's (an OSError's path shortened, as typed paths can be
+    10,000 characters)."""
+    from rich.markup import escape
+
+    from .heads import shown
+
+    if isinstance(message, OSError) and message.filename is not None:
+        message = f"{shown(str(message.filename))}: {message.strerror or message}"
+    # escaped: a message quotes what was typed, and "[x]" in a name is no style
+    console.print(f"[bold red]error:[/] {escape(str(message))}", soft_wrap=True)
     raise typer.Exit(2)
+
+
+def _errors() -> tuple[type[Exception], ...]:
+    """What a registry operation raises for a user to act on: exit 2 with its message, no traceback
+    (OSError: a registry directory refused by ``private_dir``, a path too long for the file system...)."""
+    from .convert import ModelNotFound
+    from .heads import HeadRegistryError
+
+    return ModelNotFound, HeadRegistryError, OSError
 
 
 def _registry(name: str, must_exist: bool = True) -> Any:
@@ -31,7 +49,7 @@ def _registry(name: str, must_exist: bool = True) -> Any:
     try:
         reg = HeadRegistry(name)
     except HeadRegistryError as exc:
-        _fail(str(exc))
+        _fail(exc)
     if must_exist and not reg.exists():
         _fail(f"no head registry {name!r} in {reg.root}: register a head with `cartspec heads add {name} HEAD_DIR` "
               f"(registries: {', '.join(_registry_names()) or 'none'})")
@@ -45,17 +63,19 @@ def _versioned(ref: str, verb: str) -> tuple[str, str]:
     try:
         name, version = parse_ref(ref)
     except HeadRegistryError as exc:
-        _fail(str(exc))
+        _fail(exc)
     if version is None:
         _fail(f"name the version to {verb}: `cartspec heads {verb} {name}@vN` (see `cartspec heads list {name}`)")
     return name, version
 
 
 def _registry_names() -> list[str]:
-    from .heads import default_root
+    from .heads import default_root, valid_name
 
     root = default_root()
-    return sorted(d.name for d in root.iterdir() if (d / "versions").is_dir()) if root.exists() else []
+    # a directory named otherwise is no registry (HeadRegistry refuses the name): `heads list` lists the rest
+    return sorted(d.name for d in root.iterdir() if valid_name(d.name) and (d / "versions").is_dir()) \
+        if root.exists() else []
 
 
 def _when(ts: float | None) -> str:
@@ -91,32 +111,34 @@ def add(
     reason: Optional[str] = typer.Option(None, help="recorded in the registry's events"),
 ) -> None:
     """Register an existing head directory as a new version of NAME (copied into the registry)."""
-    from .convert import ModelNotFound
-    from .heads import HeadRegistryError
     from .registry import resolve_head, resolve_plain_head
 
     reg = _registry(name, must_exist=False)
     try:  # another registry's version (OTHER@vN), else a bundled head or a path; never NAME's own current
         src = resolve_head(head_dir) if "@" in head_dir and "/" not in head_dir else resolve_plain_head(head_dir)
-    except (ModelNotFound, HeadRegistryError) as exc:
-        _fail(str(exc))
+    except _errors() as exc:
+        _fail(exc)
     prov: dict[str, Any] = {"command": "cartspec heads add " + " ".join([name, head_dir] + ["--current"] * current
                                                                          + ["--force"] * force)}
     if reason:
         prov["reason"] = reason
     try:
         v = reg.add(src, provenance=prov, status="current" if current else "candidate", force=force)
-    except (HeadRegistryError, ModelNotFound) as exc:
-        _fail(str(exc))
+    except _errors() as exc:
+        _fail(exc)
     console.print(f"[green]added[/] {v.ref} ({v.status}, target {v.target_digest or '?'}) <- {src}")
     console.print(f"  --head {v.ref} serves this version; --head {name} serves the current one")
 
 
 @heads_app.command("list")
 def list_(name: Optional[str] = typer.Argument(None, help="one registry (default: all)")) -> None:
-    """The versions of every registry (or of NAME): status, parent, target digest, gate decision."""
+    """The versions of every registry (or of NAME): status, parent, target digest, gate decision. A version
+    whose version.json cannot be read is listed as corrupt, with the reason, below the others."""
     from rich import box
+    from rich.markup import escape
     from rich.table import Table
+
+    from .heads import CorruptVersion
 
     names = [name] if name else _registry_names()
     if name:
@@ -131,30 +153,42 @@ def list_(name: Optional[str] = typer.Argument(None, help="one registry (default
                 "τ candidate vs current (gate)"):
         t.add_column(col)
     styles = {"current": "bold green", "candidate": "yellow", "rejected": "red", "retired": "dim"}
+    corrupt: list[str] = []
     for n in names:
         reg = _registry(n)
-        for v in reg.versions():
-            decision, taus = gate_summary(reg.gate(v.version))
+        for v in reg.scan():
+            if isinstance(v, CorruptVersion):
+                t.add_row(n, v.version, "[bold red]corrupt[/]", "-", "-", "-", "-", "see below")
+                corrupt.append(f"{v.ref} corrupt: {v.reason} ({v.path / 'version.json'})")
+                continue
+            try:
+                decision, taus = gate_summary(reg.gate(v.version))
+            except _errors():
+                decision, taus = "corrupt gate.json", "-"
             t.add_row(n, v.version, f"[{styles[v.status]}]{v.status}[/]", _when(v.created), v.parent or "-",
                       v.target_digest or "?", decision, taus)
     out.print(t)
+    for line in corrupt:  # whole lines, not squeezed into a column: the reason is what to act on
+        out.print(f"[bold red]{escape(line)}[/]", soft_wrap=True)
+    if corrupt:
+        out.print("  restore a corrupt version's version.json from a backup, or remove its directory: "
+                  "it cannot be served, promoted or rolled back to; the other versions are unaffected", soft_wrap=True)
 
 
 @heads_app.command("show")
 def show(ref: str = typer.Argument(..., help="NAME (its current version) or NAME@vN")) -> None:
     """One version: metadata, provenance, the gate's decision and the registry events about it."""
-    from .convert import ModelNotFound
     from .heads import HeadRegistryError, parse_ref
 
     try:
         name, version = parse_ref(ref)
     except HeadRegistryError as exc:
-        _fail(str(exc))
+        _fail(exc)
     reg = _registry(name)
     try:
         v = reg.get(version) if version else reg.current()
-    except (ModelNotFound, HeadRegistryError) as exc:
-        _fail(str(exc))
+    except _errors() as exc:
+        _fail(exc)
     if v is None:
         _fail(f"the head registry {name!r} has no current version: see `cartspec heads list {name}`")
     out.print(f"[bold]{v.ref}[/] {v.status}")
@@ -168,7 +202,10 @@ def show(ref: str = typer.Argument(..., help="NAME (its current version) or NAME
     prov_md = v.path / "PROVENANCE.md"
     if prov_md.exists():
         out.print(f"  PROVENANCE.md: {prov_md}")
-    gate = reg.gate(v.version)
+    try:
+        gate = reg.gate(v.version)
+    except _errors() as exc:
+        _fail(exc)
     out.print("[bold]gate[/]" + ("" if gate else ": none written"))
     if gate:
         decision, taus = gate_summary(gate)
@@ -190,16 +227,13 @@ def promote(
     force: bool = typer.Option(False, "--force", help="promote a rejected version, or one pinned to another target"),
 ) -> None:
     """Make NAME@vN current: `--head NAME` (serve, study, draft acceptance) serves it from then on."""
-    from .convert import ModelNotFound
-    from .heads import HeadRegistryError
-
     name, version = _versioned(ref, "promote")
     reg = _registry(name)
-    before = reg.current()
     try:
+        before = reg.current()
         v = reg.promote(version, reason=reason, force=force)
-    except (ModelNotFound, HeadRegistryError) as exc:
-        _fail(str(exc))
+    except _errors() as exc:
+        _fail(exc)
     if before is not None and before.version == v.version:
         console.print(f"{v.ref} is already current")
         return
@@ -212,17 +246,18 @@ def rollback(
     name: str = typer.Argument(..., help="registry name"),
     to: Optional[str] = typer.Option(None, "--to", help="the version to make current (default: the previous current)"),
     reason: str = typer.Option("rolled back by hand", help="recorded in the registry's events"),
+    force: bool = typer.Option(False, "--force", help="roll back to a rejected version, or one pinned to another "
+                                                      "target than current's"),
 ) -> None:
-    """Make the previous current version of NAME current again (or --to vN); the rolled-back one is retired."""
-    from .convert import ModelNotFound
-    from .heads import HeadRegistryError
-
+    """Make the previous current version of NAME current again (or --to vN); the rolled-back one is retired.
+    Refuses what `heads promote` refuses: a rejected version, or one pinned to another target (serve would
+    refuse it), unless --force."""
     reg = _registry(name)
-    before = reg.current()
     try:
-        v = reg.rollback(reason=reason, to=to)
-    except (ModelNotFound, HeadRegistryError) as exc:
-        _fail(str(exc))
+        before = reg.current()
+        v = reg.rollback(reason=reason, to=to, force=force)
+    except _errors() as exc:
+        _fail(exc)
     console.print(f"[green]rolled back[/] {before.ref if before else '?'} -> {v.ref}; a running `cartspec serve` "
                   "serves it after a restart")
 
@@ -233,15 +268,12 @@ def reject(
     reason: str = typer.Option("rejected by hand", help="recorded in the registry's events"),
 ) -> None:
     """Mark a candidate rejected: promote refuses it from then on (unless --force)."""
-    from .convert import ModelNotFound
-    from .heads import HeadRegistryError
-
     name, version = _versioned(ref, "reject")
     reg = _registry(name)
     try:
         v = reg.reject(version, reason=reason)
-    except (ModelNotFound, HeadRegistryError) as exc:
-        _fail(str(exc))
+    except _errors() as exc:
+        _fail(exc)
     console.print(f"[yellow]rejected[/] {v.ref}")
 
 
