@@ -351,3 +351,12 @@ def test_version_json_is_replaced_atomically(home, tmp_path, monkeypatch):
     monkeypatch.setattr(os, "replace", real)
     assert reg.get("v2").status == "candidate"
     assert all(not isinstance(v, CorruptVersion) for v in reg.scan())
+
+
+def test_a_head_or_model_path_too_long_for_the_file_system_is_a_clear_not_found():
+    from cartspec.model.convert import ModelNotFound
+    from cartspec.model.registry import resolve_model, resolve_plain_head
+
+    for resolve in (resolve_plain_head, resolve_model):
+        with pytest.raises(ModelNotFound, match=r"\(10000 characters\) cannot be read"):
+            resolve("x" * 10000)

@@ -17,10 +17,14 @@ BUNDLED_POINTER = "commerce"  # the pointer trained for the bundled commerce mod
 
 
 def _check_hf_dir(path: Path, what: str) -> Path:
-    if not path.exists():
-        raise ModelNotFound(f"{what} not found: {path}")
-    if not (path / "config.json").exists():
-        raise ModelNotFound(f"{path} is not a Hugging Face model directory (no config.json)")
+    shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:120]}... ({len(str(path))} characters)"
+    try:
+        if not path.exists():
+            raise ModelNotFound(f"{what} not found: {shown}")
+        if not (path / "config.json").exists():
+            raise ModelNotFound(f"{shown} is not a Hugging Face model directory (no config.json)")
+    except OSError as e:  # a name too long for the file system, a directory without access: not a model
+        raise ModelNotFound(f"{what} {shown} cannot be read: {e.strerror or e}") from None
     return path
 
 
@@ -33,7 +37,11 @@ def resolve_model(name: str) -> Path:
     if name == "commerce":
         return merged_commerce()
     path = Path(name).expanduser()
-    if (path / "adapter_config.json").exists() and not (path / "config.json").exists():
+    try:
+        adapter = (path / "adapter_config.json").exists() and not (path / "config.json").exists()
+    except OSError:
+        adapter = False  # _check_hf_dir says why the path cannot be read
+    if adapter:
         return merged_adapter(path)
     return _check_hf_dir(path, "model directory")
 
