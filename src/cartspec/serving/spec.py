@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -236,6 +237,22 @@ def reply_schema_of(path: str | None) -> dict[str, Any]:
         raise ValueError(f"reply_schema {p} is not JSON ({exc}): give a JSON schema file") from None
 
 
+# A deployment's name is written into shell scripts, compose service names, Helm values and vLLM's
+# --served-model-name: letters, digits, '.', '_' and '-', starting with a letter or digit, at most 63 (a DNS
+# label's length), matched whole (re.fullmatch: `$` would let a trailing newline through)
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def check_name(name: str) -> str:
+    """``name`` if it is a valid deployment name (``NAME_PATTERN``), else a ValueError that says what is."""
+    if not NAME_PATTERN.fullmatch(name):
+        shown = name if len(name) <= 80 else name[:80] + "..."  # repr'd below: a newline shows as \n
+        raise ValueError(f"name {shown!r} is not a deployment name: use 1 to 63 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit (it becomes the served model's name, a compose service "
+                         "and a shell argument)")
+    return name
+
+
 SCALE_FIELDS = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "enable_prefix_caching",
                 "quantization", "kv_cache_fit")
 
@@ -243,9 +260,11 @@ SCALE_FIELDS = ("tensor_parallel_size", "data_parallel_size", "gpu_memory_utiliz
 class DeploymentSpec(FileModel):
     """A vLLM deployment: target model, speculation, engine flags."""
 
-    model_config = ConfigDict(extra="forbid")
+    # hidden inputs: a refused spec's error must not print what it holds (env and engine flags may hold keys)
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
-    name: str = "cartspec"
+    name: str = Field("cartspec", description="the served model's name (vLLM's --served-model-name): 1 to 63 "
+                                               "letters, digits, '.', '_' or '-', starting with a letter or digit")
     tag: str | None = Field(None, description="tells apart deployments whose speculation is the same (another "
                             "dtype, env or engine flags) in one study: their label becomes LABEL@tag")
     model: str = Field("commerce", description="'commerce', 'base' or a path to an HF directory")
@@ -277,6 +296,23 @@ class DeploymentSpec(FileModel):
             if getattr(self, name) is not None and any(a.split("=")[0] in (flag, "--no-" + flag[2:])
                                                        for a in self.engine_args):
                 raise ValueError(f"{name} is set and engine_args passes {flag} too: keep one")
+        return self
+
+    @model_validator(mode="after")
+    def _no_key(self) -> "DeploymentSpec":
+        # vLLM takes --api-key, its abbreviations and --api_key; a spec is logged, recorded and exported
+        flags = [a.split("=")[0].replace("_", "-") for a in self.engine_args if a.startswith("--")]
+        if any(len(f) > len("--api-") and "--api-key".startswith(f) for f in flags) or "VLLM_API_KEY" in self.env:
+            raise ValueError("a deployment spec holds no API key (engine_args --api-key, env VLLM_API_KEY): the "
+                             "spec is written to logs, run.json and exports. A vLLM that cartspec starts gets a "
+                             "random key of its own; for a key of yours, put it in an environment variable and "
+                             "name it with the key option (serve --upstream-key-env VAR, study "
+                             "--server-api-key-env VAR)")
+        return self
+
+    @model_validator(mode="after")
+    def _safe_name(self) -> "DeploymentSpec":
+        check_name(self.name)
         return self
 
     _drop_unset = omit_when_none(*SCALE_FIELDS, "tag")  # fields added later: absent from old results
