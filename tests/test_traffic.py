@@ -6,20 +6,24 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from cartspec.task.data import Turn
 from cartspec.task.generator import generate
 from cartspec.task.prompts import messages as task_messages
+from cartspec.private_files import UnsafePathError
 from cartspec.task.traffic import (
     Redactor,
     TrafficConfig,
     TrafficRecord,
     TrafficWriter,
     dedupe,
+    process_id,
     read_traffic,
     repair_torn_tail,
     scan_traffic,
@@ -27,8 +31,8 @@ from cartspec.task.traffic import (
     traffic_files,
 )
 
-NAME = re.compile(r"^traffic-\d{8}T\d{6}-\d+(-\d+)?\.jsonl$")
-DEAD_PID = 999_999_999  # above any pid_max: a file named after it was left by a process that is gone
+NAME = re.compile(r"^traffic-\d{8}T\d{6}-[0-9a-f]{16}(-\d+)?\.jsonl$")  # named by a random id per process
+DEAD_PID = 999_999_999  # above any pid_max: an older version's file named after it was left by a process that is gone
 
 
 def rec(i: int = 0, *, ts: float | None = None, task: str = "support", query: str | None = None,
@@ -87,7 +91,10 @@ def test_emails_become_a_fixed_shape(text):
 
 
 @pytest.mark.parametrize("phone", ["+1 (555) 123-4567", "+44 20 7946 0958", "+49-30-1234567", "(555) 123-4567",
-                                   "555-123-4567", "555.123.4567", "555 123 4567"])
+                                   "555-123-4567", "555.123.4567", "555 123 4567",
+                                   # national formats (phonenumbers): GB, GB mobile, GB from abroad, FR, US local
+                                   "020 7946 0958", "07700 900123", "0044 20 7946 0958", "01 23 45 67 89",
+                                   "555-1234"])
 def test_phones_are_masked(phone):
     text = f"call me on {phone} tomorrow"
     out, n = Redactor(key="k").redact_text(text)
@@ -106,6 +113,7 @@ def test_phones_are_masked(phone):
     "released 2024-01-05, ships in 3-5 days",
     "a 2 for $30 deal on 3 pairs, item 12 of 20",
     "we are #1 in shoes",
+    "between 200-5000 usd, sizes 8 9 10 11 12 13",   # a range and a list, not phone numbers
 ])
 def test_text_without_personal_data_is_unchanged(text):
     out, n = Redactor(key="k").redact_text(text)
@@ -190,7 +198,7 @@ def test_round_trip(tmp_path):
     with TrafficWriter(TrafficConfig(dir=tmp_path / "t")) as w:
         for r in reversed(records):
             w.write(r)
-        assert w.path is not None and NAME.match(w.path.name) and str(os.getpid()) in w.path.name
+        assert w.path is not None and NAME.match(w.path.name) and process_id() in w.path.name
     back = read_traffic(tmp_path / "t")
     assert [r.id for r in back] == [f"r{i}" for i in range(5)]  # sorted by ts
     assert back[0].model_dump(exclude={"redactions"}) == records[0].model_dump(exclude={"redactions"})
@@ -358,7 +366,7 @@ def test_repair_torn_tail_edges(tmp_path):
     assert repair_torn_tail(f) == len(big) and f.read_bytes() == b'{"a": 1}\n'
 
 
-def test_a_file_of_a_running_process_is_not_repaired(tmp_path):
+def test_an_older_versions_file_named_by_a_running_pid_is_not_repaired(tmp_path):
     import subprocess
     import sys
 
@@ -372,6 +380,147 @@ def test_a_file_of_a_running_process_is_not_repaired(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+# --- owner-only files, symlinks, writers sharing a volume -----------------------------------------------------
+
+def _mode(p) -> int:
+    return stat.S_IMODE(os.lstat(p).st_mode)
+
+
+def test_directory_and_files_are_owner_only_whatever_the_umask(tmp_path):
+    old = os.umask(0)  # a umask that would leave everything open
+    try:
+        line = len(rec(0).model_dump_json()) + 1
+        with TrafficWriter(TrafficConfig(dir=tmp_path / "new" / "traffic", max_file_bytes=2 * line)) as w:
+            for i in range(3):
+                w.write(rec(i))
+        shared = tmp_path / "shared"
+        shared.mkdir(mode=0o755)
+        legacy = shared / f"traffic-20260101T000000-{DEAD_PID}.jsonl"  # an older version's leftover, 0644
+        legacy.write_text(rec(9).model_dump_json() + "\n")
+        legacy.chmod(0o644)
+        TrafficWriter(TrafficConfig(dir=shared)).close()
+    finally:
+        os.umask(old)
+    files = traffic_files(tmp_path / "new" / "traffic")
+    assert len(files) == 2 and all(_mode(f) == 0o600 for f in files)
+    assert _mode(tmp_path / "new" / "traffic") == 0o700 and _mode(tmp_path / "new") == 0o700  # parents made too
+    assert _mode(shared) == 0o700 and _mode(legacy) == 0o600  # an existing directory and its files tightened
+
+
+def test_a_directory_others_can_write_is_refused_with_what_to_do(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    with pytest.raises(UnsafePathError, match=r"cannot record traffic into .*open.*chmod go-w"):
+        TrafficWriter(TrafficConfig(dir=d))
+    assert _mode(d) == 0o777 and list(d.iterdir()) == []  # refused, not "fixed" behind the user's back
+
+
+def test_a_symlink_named_like_a_traffic_file_is_never_followed(tmp_path):
+    d, outside = tmp_path / "traffic", tmp_path / "elsewhere"
+    d.mkdir()
+    outside.mkdir()
+    day = 86400.0
+    target = outside / "precious.jsonl"
+    content = rec(0, ts=time.time() - 40 * day).model_dump_json() + "\n" + '{"torn'  # old, with a torn tail
+    target.write_text(content)
+    link = d / f"traffic-20200101T000000-{DEAD_PID}.jsonl"
+    link.symlink_to(target)
+    w = TrafficWriter(TrafficConfig(dir=d, max_age_days=1))  # would repair and prune a leftover like it
+    assert w.repaired == {} and w.pruned.deleted == []
+    assert link.is_symlink() and target.read_text() == content  # neither the link nor its target touched
+    assert traffic_files(d) == [] and read_traffic(d) == []       # not a traffic file
+    with pytest.raises(UnsafePathError, match="symlink"):
+        repair_torn_tail(link)
+    assert target.read_text() == content
+    w.close()
+
+
+def test_a_symlink_in_the_place_of_the_next_file_is_not_written_through(tmp_path, monkeypatch):
+    from cartspec.task import traffic
+
+    monkeypatch.setattr(traffic, "_PROCESS_ID", "0123456789abcdef")  # the name the writer will choose
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    d = tmp_path / "traffic"
+    d.mkdir(mode=0o700)
+    now = time.time()
+    for s in range(-1, 5):  # the names of files started in the seconds around this one
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now + s))
+        (d / f"traffic-{stamp}-0123456789abcdef.jsonl").symlink_to(target)
+    with TrafficWriter(TrafficConfig(dir=d)) as w:
+        w.write(rec(0))
+        assert not w.path.is_symlink() and w.path.name.endswith("-1.jsonl")  # the next name, as a plain file
+    assert target.read_text() == "keep me"
+    assert [r.id for r in read_traffic(d)] == ["r0"]
+
+
+WRITER = r'''
+import os, sys, time
+os.getpid = lambda: 1  # every replica is PID 1 in its own container
+from cartspec.task.traffic import TrafficConfig, TrafficRecord, TrafficWriter
+w = TrafficWriter(TrafficConfig.model_validate_json(sys.argv[1]))
+
+def record(i):
+    return TrafficRecord(id=f"a{i}", ts=time.time(), task="search", query="boots", messages=[],
+                         reply="x" * 200, temperature=0.0, structured=True)
+
+def half_a_line(i):  # as a long line is written: its first part is in the file, the rest still to come
+    line = (w.redactor.redact_record(record(i)).model_dump_json() + "\n").encode()
+    w._fh.write(line[:40])
+    w._fh.flush()
+    return line[40:]
+
+w.write(record(0))
+w.write(record(1))
+rest = half_a_line(2)
+print(w.path, flush=True)
+sys.stdin.readline()
+w._fh.write(rest)
+w.write(record(3))
+half_a_line(4)  # then killed mid-line
+print("torn", flush=True)
+time.sleep(600)
+'''
+
+
+def test_two_writers_sharing_a_pid_never_touch_each_others_files(tmp_path, monkeypatch):
+    import signal
+    import subprocess
+    import sys
+
+    line = len(rec(0, reply="x" * 200).model_dump_json()) + 1
+    # tight limits: a writer that took the other's live file for a leftover would repair and delete it
+    tight = TrafficConfig(dir=tmp_path, max_file_bytes=4 * line, max_total_bytes=4 * line, max_age_days=1)
+    a = subprocess.Popen([sys.executable, "-c", WRITER, tight.model_dump_json()], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        a_path = Path(a.stdout.readline().strip())
+        size = a_path.stat().st_size
+        monkeypatch.setattr(os, "getpid", lambda: 1)  # the second replica: PID 1 as well
+        b = TrafficWriter(tight)
+        assert b.repaired == {} and b.pruned.deleted == []
+        assert a_path.stat().st_size == size  # the half-written line of the live writer is still there
+        b.write(rec(0, reply="x" * 200).model_copy(update={"id": "b0"}))
+        b.write(rec(1, reply="x" * 200).model_copy(update={"id": "b1"}))
+        assert b.path != a_path and a_path.exists()
+        a.stdin.write("go on\n")
+        a.stdin.flush()
+        assert a.stdout.readline().strip() == "torn"
+        a.send_signal(signal.SIGKILL)
+        a.wait()
+        b.close()
+        # the first replica was killed mid-line: the next writer repairs its file, now a leftover
+        with TrafficWriter(TrafficConfig(dir=tmp_path)) as c:
+            assert list(c.repaired) == [a_path] and c.pruned.deleted == []
+    finally:
+        a.kill()
+        a.wait()
+    scan = scan_traffic(tmp_path)
+    assert scan.skipped == 0
+    assert sorted(r.id for r in scan.records) == ["a0", "a1", "a2", "a3", "b0", "b1"]  # no record lost
 
 
 # --- dedupe and time split ----------------------------------------------------------------------------------------

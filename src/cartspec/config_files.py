@@ -8,6 +8,8 @@ from typing import TypeVar
 
 from pydantic import BaseModel, model_serializer
 
+from .private_files import write_private
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -47,12 +49,14 @@ class FileModel(BaseModel):
         return cls.model_validate(data)
 
     def save(self, path: str | Path) -> Path:
+        """Write this model to ``path`` (YAML or JSON by suffix), owner-only: a config may name keys' variables,
+        prompts or traffic."""
         path = Path(path)
         data = self.model_dump(mode="json")
         if path.suffix in (".yaml", ".yml"):
             import yaml
 
-            path.write_text(yaml.safe_dump(data, sort_keys=False))
+            write_private(path, yaml.safe_dump(data, sort_keys=False))
         else:
-            path.write_text(json.dumps(data, indent=2))
+            write_private(path, json.dumps(data, indent=2))
         return path

@@ -3,7 +3,7 @@
 ``AgentProcess(config, serve_args, out_dir)`` writes the config (on loopback, on a free port unless
 given one) to ``OUT/NAME.yaml``,
 starts ``cartspec serve --config OUT/NAME.yaml SERVE_ARGS`` in its own process group with its output
-in ``OUT/NAME.log``, and waits for ``/ready``. It stops the whole group (the agent, and the vLLMs it
+in ``OUT/NAME.log`` (OUT 0700, the log 0600), and waits for ``/ready``. It stops the whole group (the agent, and the vLLMs it
 started) on ``__exit__``, at interpreter exit, on SIGTERM/SIGHUP of a caller that installed
 ``serving.server.install_signal_handlers``, and through the watchdog of ``serving.process`` however
 the caller dies. A start that fails raises ``AgentError`` with the first exception the agent logged.
@@ -19,6 +19,7 @@ from typing import Sequence
 
 import httpx
 
+from ..private_files import open_private, private_dir
 from ..serving import process
 from ..serving.server import free_port, read_log, root_cause, tail
 from .config import AgentConfig
@@ -59,10 +60,11 @@ class AgentProcess:
         return [sys.executable, "-m", "cartspec.cli", "serve", "--config", str(self.config_path), *self.serve_args]
 
     def start(self) -> "AgentProcess":
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        # 0700: the config can hold the API key, the log the agent's errors; the log itself 0600, never a link's
+        private_dir(self.out_dir)
         self.config.save(self.config_path)
         cmd = self.command()
-        self._log = self.log_path.open("w")
+        self._log = open_private(self.log_path, "w")
         self._log.write("$ " + " ".join(cmd) + "\n")
         self._log.flush()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -2,17 +2,21 @@
 
 Written synchronously with a flush per line: a line is ~1 KB, far cheaper than
 the model call it describes, and a crash loses at most the line being written.
+The file is its owner's only (0600, never written through a symlink).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
+
+from ..private_files import UnsafePathError, check_dir, open_private, private_dir
 
 
 class Timing(BaseModel):
@@ -140,14 +144,24 @@ class TraceRecord(BaseModel):
 
 
 class TraceWriter:
+    """Appends ``TraceRecord`` lines to ``path`` (None: no trace), rotating it to ``path.1`` past ``max_bytes``.
+
+    The trace can hold what requests were about (reasons, errors), so it is a file only its owner reads:
+    0600, never opened through a symlink. A missing directory is created 0700; an existing one is used as
+    it is (it may hold other things) unless another user owns it or others may write it: then
+    ``UnsafePathError`` says what to do."""
+
     def __init__(self, path: str | Path | None, max_bytes: int = 256 * 1024 * 1024):
-        self.path = Path(path) if path else None
+        self.path = Path(path).expanduser() if path else None
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._fh = None
         if self.path:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fh = self.path.open("a", encoding="utf-8")
+            try:
+                _trace_dir(self.path.parent)
+                self._fh = open_private(self.path, "a")
+            except UnsafePathError as e:
+                raise UnsafePathError(f"cannot write the trace to {self.path}: {e}") from None
 
     def write(self, record: TraceRecord) -> None:
         if self._fh is None:
@@ -161,14 +175,22 @@ class TraceWriter:
 
     def _rotate(self) -> None:
         self._fh.close()
-        self.path.replace(self.path.with_name(self.path.name + ".1"))
-        self._fh = self.path.open("a", encoding="utf-8")
+        self.path.replace(self.path.with_name(self.path.name + ".1"))  # renames the entry: never through a link
+        self._fh = open_private(self.path, "a")
 
     def close(self) -> None:
         with self._lock:
             if self._fh:
                 self._fh.close()
                 self._fh = None
+
+
+def _trace_dir(path: Path) -> None:
+    """Create ``path`` 0700 when missing; refuse an existing one that another user owns or others may write."""
+    if os.path.lexists(path):
+        check_dir(path)
+    else:
+        private_dir(path)
 
 
 def read_trace(path: str | Path) -> list[dict[str, Any]]:

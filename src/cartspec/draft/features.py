@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from ..paths import config_digest, file_digest, home
+from ..private_files import open_private, write_private
 
 
 def aux_layer_ids_for(model_dir: Path) -> list[int]:
@@ -99,14 +100,14 @@ def vllm_generate(model_dir: Path, prompts: Sequence[Sequence[int]], sampling: S
            "sampling": [s.as_dict() for s in sampling], "enforce_eager": enforce_eager,
            "max_model_len": max_model_len, "dtype": resolve_dtype("auto")}
     job_path = out.with_suffix(".job.json")
-    job_path.write_text(json.dumps(job))
+    write_private(job_path, json.dumps(job))  # the prompts: recorded traffic on a refresh
     tmp = out.with_suffix(".tmp")
     env = {**os.environ, **engine_env()}
     t0 = time.perf_counter()
     log_path = out.with_suffix(".log")
     log(f"vLLM generation: {len(prompts)} prompts; vLLM's log: {log_path}")
     stats = "{}"
-    with open(log_path, "w") as err:  # written as vLLM runs, so a user can follow it
+    with open_private(log_path, "w") as err:  # written as vLLM runs, so a user can follow it
         proc = subprocess.Popen([sys.executable, "-m", "cartspec.draft.vllm_generate", str(job_path), str(tmp)],
                                 env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         for line in proc.stdout:
