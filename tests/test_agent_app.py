@@ -35,7 +35,8 @@ def _free_port() -> int:
 
 
 class FakeUpstream:
-    """Scripted chat server: ``reply(body) -> text``, ``delay_s``, ``status``; records every body."""
+    """Scripted chat server: ``reply(body) -> text``, ``delay_s``, ``status`` (and ``error``, its message when
+    not 200); records every body."""
 
     def __init__(self, port: int | None = None):
         self.port = port or _free_port()
@@ -43,6 +44,7 @@ class FakeUpstream:
         self.reply = lambda body: SEARCH_JSON
         self.delay_s = 0.0
         self.status = 200
+        self.error = "scripted failure"
         self.spec: dict | None = SPEC
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -67,7 +69,7 @@ class FakeUpstream:
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             if self.status != 200:
-                return JSONResponse({"error": {"message": "scripted failure"}}, status_code=self.status)
+                return JSONResponse({"error": {"message": self.error}}, status_code=self.status)
             text = self.reply(body)
             return {"choices": [{"message": {"content": text}, "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": 40, "completion_tokens": 25},
@@ -203,7 +205,7 @@ def test_api_key(upstream, tmp_path):
         assert r.status_code == 401 and r.json()["error"]["reason"] == "wrong API key"
         assert post(c, "/v1/search", {"query": "shoes"}, authorization="Bearer s3cret").status_code == 200
         assert post(c, "/v1/search", {"query": "boots"}, **{"x-api-key": "s3cret"}).status_code == 200
-        assert c.get("/health").status_code == 200  # probes and scrapes need no key
+        assert c.get("/health").status_code == 200  # probes need no key; /metrics does (test_agent_surface)
         assert c.get("/v1/info").status_code == 401
         info = c.get("/v1/info", headers={"x-api-key": "s3cret"}).json()
         assert info["config"]["api_key_set"] is True and "s3cret" not in json.dumps(info)

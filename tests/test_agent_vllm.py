@@ -46,7 +46,8 @@ def test_agent_on_real_vllm(tiny_llama_dir, tmp_path):
                       probe_interval_s=0.2, upstream_timeout_s=60, request_timeout_s=120)
     with VllmServer(spec, log_dir=tmp_path) as server:
         info = server.info()
-        up = Upstream(server.url, model=spec.name, label=spec.label, info={"versions": info.versions})
+        up = Upstream(server.url, model=spec.name, label=spec.label, info={"versions": info.versions},
+                      api_key=server.api_key)
         with TestClient(create_app(cfg, up)) as c:
             r = c.post("/v1/search", json={"query": "red trail runners under $120, size 10, no nike"})
             trace = read_trace(tmp_path / "trace.jsonl")

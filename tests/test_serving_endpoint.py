@@ -234,3 +234,14 @@ def test_chat_client_sends_the_built_body_with_the_key():
     assert comp.text == "{}" and comp.output_tokens == 1
     assert sent == [(f"Bearer {KEY}", chat_body("cartspec", MSG, max_tokens=8, temperature=0.0, seed=3,
                                                 json_schema={"type": "object"}))]
+
+
+def test_a_served_name_that_could_not_be_a_specs_name_is_refused_before_anything_starts():
+    from cartspec.serving.endpoint import endpoint
+    from cartspec.serving.spec import DeploymentSpec
+
+    started = []
+    with pytest.raises(ValueError, match="is not a deployment name"):
+        with endpoint(DeploymentSpec(), served_name="shop\n$(id)", launcher=lambda *a: started.append(a)):
+            pass
+    assert not started

@@ -13,22 +13,23 @@ from cartspec.serving.spec import DeploymentSpec
 pytestmark = pytest.mark.vllm
 
 
-def test_vllm_serves_an_exported_tiny_model(tiny_llama_dir, tmp_path):
+def test_vllm_serves_an_exported_tiny_model(tiny_llama_dir, tmp_path, monkeypatch):
     from cartspec.quality.structured import evaluate_model
 
     spec = DeploymentSpec(name="tiny", model=str(tiny_llama_dir), enforce_eager=True, max_model_len=512,
                           max_num_seqs=4)
     with VllmServer(spec, log_dir=tmp_path) as srv:
         async def ask():
-            async with ChatClient(srv.url, "tiny") as c:
+            async with ChatClient(srv.url, "tiny", api_key=srv.api_key) as c:
                 return await c.chat([{"role": "user", "content": "red shoes"}], max_tokens=8)
 
         out = asyncio.run(ask())
         assert out.output_tokens > 0 and isinstance(out.text, str)
         # eval-model's path against this running server: random weights, so JSON is invalid,
         # but every request is answered and scored.
+        monkeypatch.setenv("CARTSPEC_TEST_VLLM_KEY", srv.api_key)  # the server requires its own random key
         summary = evaluate_model(data=_tiny_file(tmp_path), out=tmp_path / "eval.json", server=srv.url,
-                                 served_name="tiny", max_tokens=8, concurrency=4)
+                                 served_name="tiny", max_tokens=8, concurrency=4, api_key_env="CARTSPEC_TEST_VLLM_KEY")
         assert summary["n"] == 4 and summary["n_request_errors"] == 0
         assert summary["json_valid"] == 0.0 and summary["exact_match"] == 0.0
     assert not srv.alive()
@@ -58,7 +59,7 @@ def test_seeded_sampling_survives_a_chunked_prefill(tiny_llama_dir, tmp_path):
     prompt = [{"role": "user", "content": "red running shoes in size 10 under 50 dollars please " * 20}]
     with VllmServer(spec, log_dir=tmp_path) as srv:
         async def ask(seed):
-            async with ChatClient(srv.url, "tiny") as c:
+            async with ChatClient(srv.url, "tiny", api_key=srv.api_key) as c:
                 return await c.chat(prompt, max_tokens=8, temperature=1.0, seed=seed)
 
         first, again = asyncio.run(ask(5)), asyncio.run(ask(5))

@@ -4,11 +4,15 @@
 ``POST /v1/support`` {query, history?} -> SupportReply
 ``GET /health`` (liveness, with upstream state), ``GET /ready`` (503 while no
 deployment answers), ``GET /metrics`` (Prometheus), ``GET /v1/info`` (what runs).
+With an API key set, /v1/* and /metrics require it; /health and /ready stay open
+for probes. None of them shows a key, a spec's env or engine flags, or a URL's
+credentials (``Upstream.public``, ``serving.urls.redact_url``).
 
 Every error is ``{"error": {"type", "reason", "request_id"}}`` with a 4xx for
 what the caller can fix and a 5xx for what the deployment did; with admission
 control on, 503 ``overloaded`` (and ``Retry-After``) for a request that would
-wait past the bound. Each request writes one trace line and updates the
+wait past the bound. No error quotes the request: a reason says where and what
+(a position, a code point, a count), never the text, and so do the trace and the log. Each request writes one trace line and updates the
 metrics, whatever its outcome. Headers: ``X-Cartspec-Route`` (target; reason,
 e.g. ``plain; reason=acceptance-fallback; acceptance=0.012``),
 ``X-Cartspec-Deployment``, ``X-Cartspec-Cache``, ``Server-Timing``, and with a canary
@@ -27,19 +31,23 @@ import logging
 import math
 import re
 import time
+import traceback
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..serving.client import UpstreamError
+from ..task.data import MAX_HISTORY_TURNS, MAX_QUERY_CHARS, Turn
 from ..task.data import Request as TaskRequest
-from ..task.data import Turn
 from ..task.parse import read_reply
 from ..task.prompts import messages as task_messages
 from ..task.schema import SearchParams, SupportReply, json_schema
@@ -63,12 +71,92 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _CONTEXT_TOO_LONG = re.compile(r"context length|max_model_len|maximum model length|too long", re.IGNORECASE)
 
 
+# A number never belongs in a request body; one this long is refused before Python converts it (past 4300
+# digits the conversion itself raises).
+_MAX_DIGITS = 64
+# What the model is never sent: C0 and C1 control characters (tab, line feed and carriage return aside) and lone
+# surrogates, which JSON's \u escapes can carry but UTF-8 cannot encode.
+_BAD_CHAR = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+_FIELD_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
+
+
 # --- request bodies -----------------------------------------------------------
 class AskBody(BaseModel):
+    """A request to /v1/search or /v1/support, within what the model's request format takes (``task.data``)."""
+
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=False)
 
-    query: str
-    history: list[Turn] = []
+    query: str = Field(max_length=MAX_QUERY_CHARS)
+    history: list[Turn] = Field(default_factory=list, max_length=MAX_HISTORY_TURNS)
+
+
+def request_limits(config: AgentConfig) -> tuple[int, int]:
+    """(query characters, history turns) a request may have: the config's, never past the request format's
+    (``AgentConfig`` refuses more at load; this holds for a config changed after it was checked)."""
+    return min(config.max_query_chars, MAX_QUERY_CHARS), min(config.max_history_turns, MAX_HISTORY_TURNS)
+
+
+def ask_schema(config: AgentConfig) -> dict[str, Any]:
+    """``AskBody``'s JSON schema as the OpenAPI document shows it: self-contained (no references, which would
+    point outside the document) and with this config's limits."""
+    schema = AskBody.model_json_schema()
+    schema = _inlined(schema, schema.pop("$defs", {}))
+    max_chars, max_turns = request_limits(config)
+    schema["properties"]["query"].update(minLength=1, maxLength=max_chars)
+    schema["properties"]["history"]["maxItems"] = max_turns
+    schema["properties"]["history"]["items"]["properties"]["content"]["minLength"] = 1
+    return schema
+
+
+def _inlined(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, dict):
+        if "$ref" in node:
+            return _inlined(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {k: _inlined(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inlined(v, defs) for v in node]
+    return node
+
+
+class _TooManyDigits(ValueError):
+    pass
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > _MAX_DIGITS:
+        raise _TooManyDigits
+    return int(digits)
+
+
+def _parse_json(raw: bytes) -> Any:
+    """The body's JSON; ``ApiError`` 400 for anything ``json`` cannot or should not read. No reason quotes
+    the body."""
+    try:
+        return json.loads(raw, parse_int=_bounded_int)
+    except _TooManyDigits:
+        raise ApiError(400, "malformed_json", f"body has a number of more than {_MAX_DIGITS} digits") from None
+    except json.JSONDecodeError as exc:  # its message is a position, never the text
+        raise ApiError(400, "malformed_json", f"body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError:
+        raise ApiError(400, "malformed_json", "body is not valid UTF-8 text") from None
+    except RecursionError:
+        raise ApiError(400, "malformed_json", "body is nested too deeply: send a JSON object with 'query' and "
+                       "an optional 'history' list of {\"role\", \"content\"} turns") from None
+    except ValueError:
+        raise ApiError(400, "malformed_json", "body is not valid JSON") from None
+
+
+def _text_problem(text: str) -> str | None:
+    """What in ``text`` the model must not be sent (a control character, a lone surrogate), without quoting it."""
+    m = _BAD_CHAR.search(text)
+    if m is None:
+        return None
+    code = f"U+{ord(m.group()):04X}"
+    if "\ud800" <= m.group() <= "\udfff":
+        return (f"has a lone surrogate ({code}) at character {m.start()}: send UTF-8 text, or a surrogate pair "
+                "when escaping in JSON")
+    return (f"has the control character {code} at character {m.start()}: of the control characters only tab, "
+            "line feed and carriage return are accepted")
 
 
 # --- errors -------------------------------------------------------------------
@@ -84,19 +172,39 @@ class InvalidModelOutput(RuntimeError):
 
 def _error(status: int, type_: str, reason: str, request_id: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
+    # a reason is always encodable: an unpaired surrogate in it would make the error itself fail to render
+    reason = reason.encode("utf-8", "backslashreplace").decode("utf-8")
     body = {"error": {"type": type_, "reason": reason, **({"request_id": request_id} if request_id else {})}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def _pydantic_reason(exc: ValidationError) -> str:
+def _pydantic_reason(exc: ValidationError | RequestValidationError) -> str:
+    """Where and what, for up to three errors; never the input (pydantic's ``input``), and a field name the
+    caller made up only when it looks like one."""
     parts = []
     for err in exc.errors()[:3]:
-        where = ".".join(str(p) for p in err.get("loc", ())) or "body"
-        msg = err["msg"].removeprefix("Value error, ")
+        where = ".".join(str(p) if isinstance(p, int) or _FIELD_NAME.match(str(p)) else "<field>"
+                         for p in err.get("loc", ())) or "body"
+        msg = err["msg"].removeprefix("Value error, ")[:200]
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
         parts.append(f"{where}: {msg}")
     return "; ".join(parts)
+
+
+def _bare_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback and those it chains to, with each exception's type but not its message: a message can
+    quote the request (a pydantic error's input, a codec's text), and the log must not."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    lines = []
+    for e in reversed(chain):
+        lines.append("Traceback (most recent call last):\n")
+        lines.extend(traceback.format_tb(e.__traceback__))
+        lines.append(f"{type(e).__module__}.{type(e).__qualname__} (message not logged: it may quote the request)\n")
+    return "".join(lines).rstrip("\n")
 
 
 # --- one answered request -----------------------------------------------------
@@ -163,7 +271,7 @@ class Agent:
         for target, up in upstreams.items():
             m.inflight.labels(target).set_function(lambda up=up: up.inflight)
             m.upstream_up.labels(target).set_function(lambda up=up: 1.0 if up.health.up else 0.0)
-            m.build.labels(target).info({"label": up.label, "url": up.base_url, "model": up.model,
+            m.build.labels(target).info({"label": up.label, "url": up.shown_url, "model": up.model,
                                          **{k: str(v) for k, v in up.info.get("versions", {}).items()}})
             up.throughput = Throughput(config.admission.window_completions, config.admission.window_s)
             if up.step_stats:
@@ -194,6 +302,8 @@ class Agent:
 
     # --- input ------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
+        """With a key set, the request must carry it (``Authorization: Bearer KEY`` or ``X-API-Key``): /v1/* and
+        /metrics; /health and /ready stay open for probes and show no credentials."""
         key = self.config.api_key
         if key is None:
             return
@@ -208,27 +318,31 @@ class Agent:
             raise ApiError(401, "unauthorized", "wrong API key", {"WWW-Authenticate": "Bearer"})
 
     async def read_body(self, request: Request) -> AskBody:
+        """The request's body, checked: ``ApiError`` (a 4xx) for anything the model is not to be sent. No reason
+        quotes the body: errors go to the trace and the log."""
         ctype = request.headers.get("content-type", "")
         if ctype.split(";")[0].strip().lower() != "application/json":
             raise ApiError(415, "unsupported_media_type",
-                           f"content type must be application/json, got {ctype or 'none'!r}")
+                           f"content type must be application/json, got {ctype[:80] or 'none'!r}")
         limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, "body_too_large", f"body is {declared} bytes; the limit is {limit}")
+        declared = request.headers.get("content-length") or ""
+        # isascii: isdigit alone takes superscripts, which int() refuses; len: int() refuses past 4300 digits
+        if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > limit):
+            raise ApiError(413, "body_too_large", f"body is {declared[:20]} bytes; the limit is {limit}")
         chunks, size = [], 0
-        async for chunk in request.stream():  # bounded read: never buffer more than the limit
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, "body_too_large", f"body exceeds {limit} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():  # bounded read: never buffer more than the limit
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, "body_too_large", f"body exceeds {limit} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(400, "client_disconnected",
+                           "the client closed the connection before sending its body") from None
         raw = b"".join(chunks)
         if not raw.strip():
             raise ApiError(400, "malformed_json", "empty body: send a JSON object with 'query'")
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, "malformed_json", f"body is not valid JSON: {exc}") from None
+        data = _parse_json(raw)
         if not isinstance(data, dict):
             raise ApiError(422, "invalid_request", f"body must be a JSON object, got {type(data).__name__}")
         if "query" not in data:
@@ -240,21 +354,28 @@ class Agent:
                            "history: must be a list of {\"role\": \"user\"|\"assistant\", \"content\": str} turns")
         if data.get("history") is None:
             data.pop("history", None)
+        query, history = data["query"], data.get("history", [])
+        max_chars, max_turns = request_limits(self.config)  # before validation: each limit has its own type
+        if not query.strip():
+            raise ApiError(422, "empty_query", "query: must not be empty or blank")
+        if len(query) > max_chars:
+            raise ApiError(422, "query_too_long", f"query: {len(query)} characters; the limit is {max_chars}")
+        if len(history) > max_turns:
+            raise ApiError(422, "malformed_history", f"history: {len(history)} turns; the limit is {max_turns}")
+        problem = _text_problem(query)
+        if problem:
+            raise ApiError(422, "invalid_characters", f"query: {problem}")
+        for i, turn in enumerate(history):  # before validation, whose message for a lone surrogate is obscure
+            problem = _text_problem(turn["content"]) if isinstance(turn, dict) and isinstance(
+                turn.get("content"), str) else None
+            if problem:
+                raise ApiError(422, "malformed_history", f"history.{i}.content: {problem}")
         try:
             body = AskBody.model_validate(data)
         except ValidationError as exc:
             type_ = "malformed_history" if any(e["loc"][:1] == ("history",) for e in exc.errors()) \
                 else "invalid_request"
             raise ApiError(422, type_, _pydantic_reason(exc)) from None
-        c = self.config
-        if not body.query.strip():
-            raise ApiError(422, "empty_query", "query: must not be empty or blank")
-        if len(body.query) > c.max_query_chars:
-            raise ApiError(422, "query_too_long",
-                           f"query: {len(body.query)} characters; the limit is {c.max_query_chars}")
-        if len(body.history) > c.max_history_turns:
-            raise ApiError(422, "malformed_history",
-                           f"history: {len(body.history)} turns; the limit is {c.max_history_turns}")
         for i, turn in enumerate(body.history):
             if not turn.content.strip():
                 raise ApiError(422, "malformed_history", f"history.{i}.content: must not be empty")
@@ -474,6 +595,17 @@ class Agent:
                                  f"attempt(s), the last constrained to the schema: {last_error}")
 
     # --- traffic ------------------------------------------------------------------
+    _traffic_thread: ThreadPoolExecutor | None = None
+
+    async def record_traffic_off_loop(self, rid: str, task: str, req: TaskRequest, ans: Answer,
+                                      rec: TraceRecord) -> None:
+        """``record_traffic`` on a thread of its own: redacting a long record is CPU work that would hold the
+        event loop, and one thread writes the records in the order the answers finished."""
+        if self._traffic_thread is None:
+            self._traffic_thread = ThreadPoolExecutor(1, thread_name_prefix="cartspec-traffic")
+        await asyncio.get_running_loop().run_in_executor(self._traffic_thread, self.record_traffic,
+                                                         rid, task, req, ans, rec)
+
     def record_traffic(self, rid: str, task: str, req: TaskRequest, ans: Answer, rec: TraceRecord) -> None:
         """One answered request into the traffic log; a failure is logged, never the request's."""
         if self.traffic is None:
@@ -530,6 +662,8 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
             for _, up in agent.upstreams.items():
                 await up.close()
             agent.trace.close()
+            if agent._traffic_thread is not None:  # the records still queued are written before the file closes
+                agent._traffic_thread.shutdown(wait=True)
             if agent.traffic is not None:
                 agent.traffic.close()
 
@@ -539,8 +673,14 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        reason = f"{request.method} {request.url.path}: {exc.detail}"
+        reason = f"{request.method[:16]} {request.url.path[:120]}: {str(exc.detail)[:200]}"
         return _error(exc.status_code, type_, reason, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)  # a declared parameter that does not validate
+    async def _invalid_parameter(request: Request, exc: RequestValidationError):
+        return _error(422, "invalid_request", _pydantic_reason(exc))
+
+    body_schema = ask_schema(config)
 
     async def handle(request: Request, endpoint: str, task: str) -> Response:
         t0 = time.perf_counter()
@@ -602,9 +742,11 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
         except (asyncio.TimeoutError, CoalescedCancelled):
             response = _fail(rec, headers, 504, "timeout",
                              f"no answer within the request deadline of {config.request_timeout_s:g}s")
-        except Exception as exc:  # the service keeps serving; the trace and log say what broke
-            log.exception("request %s failed", rid)
-            response = _fail(rec, headers, 500, "internal", f"{type(exc).__name__}: {exc}"[:300])
+        except Exception as exc:  # the service keeps serving; the log says where it broke, never with what
+            log.error("request %s failed:\n%s", rid, _bare_traceback(exc))
+            response = _fail(rec, headers, 500, "internal",
+                             f"internal error ({type(exc).__name__}): the agent's log has its traceback under "
+                             f"request id {rid}")
         total = time.perf_counter() - t0
         rec.timing.total_ms = total * 1000
         if rec.canary is not None:
@@ -623,8 +765,8 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
             log.exception("trace write failed")
         if agent.traffic is not None and rec.status == 200 and rec.cache in ("miss", "bypass", "off"):
             # after the response is sent: recording never delays an answer
-            async def record(ans: Answer = ans, req: TaskRequest = req) -> None:  # on the loop: one writer at a time
-                agent.record_traffic(rid, task, req, ans, rec)
+            async def record(ans: Answer = ans, req: TaskRequest = req) -> None:  # redacted off the event loop
+                await agent.record_traffic_off_loop(rid, task, req, ans, rec)
 
             response.background = BackgroundTask(record)
         return response
@@ -636,19 +778,19 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
 
     @app.post("/v1/search", response_model=SearchParams, summary="Search parameters for a shopper's query",
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": AskBody.model_json_schema(ref_template="#/components/schemas/{model}")}}}})
+                  "schema": body_schema}}}})
     async def search(request: Request):
         return await handle(request, "search", "search")
 
     @app.post("/v1/support", response_model=SupportReply, summary="A support reply (topic, order id, text)",
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": AskBody.model_json_schema(ref_template="#/components/schemas/{model}")}}}})
+                  "schema": body_schema}}}})
     async def support(request: Request):
         return await handle(request, "support", "support")
 
     @app.get("/health")
-    async def health():
-        ups = {t: {"url": u.base_url, "deployment": u.label, **u.health.describe()}
+    async def health():  # open to probes: nothing on it is private (URLs redacted)
+        ups = {t: {"url": u.shown_url, "deployment": u.label, **u.health.describe()}
                for t, u in agent.upstreams.items()}
         status = "ok" if all(u["up"] for u in ups.values()) else "degraded"
         return {"status": status, "upstreams": ups, "cache_entries": len(agent.cache)}
@@ -662,7 +804,11 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
         return {"status": "ready"}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):  # what the agent serves and how much: behind the key, as /v1/*
+        try:
+            agent.check_auth(request)
+        except ApiError as exc:
+            return _error(exc.status, exc.type, exc.reason, headers=exc.headers)
         return Response(agent.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/info")
@@ -672,8 +818,7 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
         except ApiError as exc:
             return _error(exc.status, exc.type, exc.reason, headers=exc.headers)
         return {"config": config.public(),
-                "deployments": {t: {"url": u.base_url, "label": u.label, "model": u.model, **u.info}
-                                for t, u in agent.upstreams.items()},
+                "deployments": {t: u.public() for t, u in agent.upstreams.items()},
                 "canary": agent.canary.describe() if agent.canary else None}
 
     return app

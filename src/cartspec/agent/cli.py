@@ -54,8 +54,12 @@ def serve(
                                              "replaces --model/--head/--gamma"),
     upstream: Optional[str] = typer.Option(None, help="use this running OpenAI-compatible server; start no vLLM"),
     served_name: str = typer.Option("cartspec", help="model name on --upstream"),
-    upstream_key: Optional[str] = typer.Option(None, envvar="CARTSPEC_UPSTREAM_KEY", help="API key --upstream "
-                                               "needs (sent as 'Authorization: Bearer KEY')"),
+    upstream_key_env: Optional[str] = typer.Option(None, "--upstream-key-env", metavar="VAR", help="the "
+                                                   "environment variable holding the API key --upstream needs "
+                                                   "(sent as 'Authorization: Bearer KEY'; default: "
+                                                   "CARTSPEC_UPSTREAM_KEY when set)"),
+    upstream_key: Optional[str] = typer.Option(None, "--upstream-key", hidden=True,
+                                               help="deprecated: the key in the process list; use --upstream-key-env"),
     label: str = typer.Option("external", help="what runs on --upstream (e.g. eagle3-domain-g3, or baseline "
                               "for no speculation), for headers and metrics"),
     plain: bool = typer.Option(False, "--plain", help="also start a plain deployment (no speculation) of the same "
@@ -66,6 +70,10 @@ def serve(
     plain_upstream: Optional[str] = typer.Option(None, help="use this running server as the plain deployment "
                                                  "(no speculation); start none"),
     plain_served_name: str = typer.Option("cartspec", help="model name on --plain-upstream"),
+    plain_upstream_key_env: Optional[str] = typer.Option(None, "--plain-upstream-key-env", metavar="VAR",
+                                                         help="the environment variable holding the API key "
+                                                         "--plain-upstream needs (default: "
+                                                         "CARTSPEC_PLAIN_UPSTREAM_KEY when set)"),
     router: Optional[bool] = typer.Option(None, "--router/--no-router", help="route by expected reply length "
                                           "and load between the two deployments (default: on with two, unless "
                                           "--config sets router.enabled)"),
@@ -88,8 +96,11 @@ def serve(
                                                   "running server serves the candidate (start none); with "
                                                   "--canary-head saying which head it drafts with"),
     canary_served_name: str = typer.Option("cartspec", help="model name on --canary-upstream"),
-    canary_key: Optional[str] = typer.Option(None, "--canary-key", envvar="CARTSPEC_CANARY_KEY",
-                                             help="API key --canary-upstream needs"),
+    canary_key_env: Optional[str] = typer.Option(None, "--canary-key-env", metavar="VAR", help="the environment "
+                                                 "variable holding the API key --canary-upstream needs (default: "
+                                                 "CARTSPEC_CANARY_KEY when set)"),
+    canary_key: Optional[str] = typer.Option(None, "--canary-key", hidden=True,
+                                             help="deprecated: the key in the process list; use --canary-key-env"),
     canary_share: Optional[float] = typer.Option(None, "--canary-share", min=0.001, max=0.5,
                                                  help="share of the speculative traffic the candidate gets: "
                                                  "every k-th request, k = 1/share (default: --config's "
@@ -97,15 +108,25 @@ def serve(
     record_traffic: Optional[Path] = typer.Option(None, "--record-traffic", metavar="DIR", help="record each "
                                                   "answered request (messages, the target's reply, deployment, "
                                                   "head version, acceptance, latency) to rotating JSONL files "
-                                                  "in DIR, redacted, for `cartspec draft refresh` (default: "
-                                                  "--config's traffic.dir, else off)"),
+                                                  "in DIR, for `cartspec draft refresh` (default: --config's "
+                                                  "traffic.dir, else off). Masked before writing, by one "
+                                                  "pseudonym per value across the record: e-mails, phone "
+                                                  "numbers, card numbers, IBANs, US SSNs, Spanish, Italian, "
+                                                  "French and Indian national ids, order ids, and JSON fields "
+                                                  "such as order_id or email. NOT masked: names, street "
+                                                  "addresses, anything else (add --redact)"),
     redact: list[str] = typer.Option([], "--redact", metavar="REGEX", help="also mask what this regex matches "
-                                     "in recorded traffic (repeatable; group 'v': only that part); order ids, "
-                                     "e-mails and phone numbers are masked anyway"),
+                                     "in recorded traffic (repeatable; group 'v': only that part), e.g. "
+                                     "customer names; what --record-traffic lists is masked anyway"),
     config: Optional[Path] = typer.Option(None, help="an AgentConfig file (YAML/TOML/JSON)"),
     host: Optional[str] = typer.Option(None, help="bind address (default 127.0.0.1)"),
     port: Optional[int] = typer.Option(None, help="agent port (default 8080)"),
-    api_key: Optional[str] = typer.Option(None, envvar="CARTSPEC_API_KEY", help="require this key on /v1/*"),
+    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", metavar="VAR", help="the environment "
+                                              "variable holding the key the agent requires on /v1/* and /metrics "
+                                              "('Authorization: Bearer KEY' or 'X-API-Key'; default: "
+                                              "CARTSPEC_API_KEY when set, else --config's api_key)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", hidden=True,
+                                          help="deprecated: the key in the process list; use --api-key-env"),
     trace: Optional[Path] = typer.Option(None, help="JSONL trace, one line per request "
                                          "[default: --config's trace_path, else runs/agent/trace.jsonl]"),
     structured: Optional[bool] = typer.Option(None, "--structured/--no-structured",
@@ -118,7 +139,10 @@ def serve(
 ) -> None:
     """Serve the commerce agent (search parameters, support replies) on a vLLM deployment,
     or on two (--plain): speculative and plain, with the router and the acceptance fallback;
-    with a canary of a candidate head beside it (--canary-head) and traffic recording (--record-traffic)."""
+    with a canary of a candidate head beside it (--canary-head) and traffic recording (--record-traffic).
+
+    Each vLLM started here requires a random key of its own, which only the agent holds. Keys are read from
+    environment variables that the --*-key-env options name, and are never logged, traced or shown."""
     import contextlib
 
     import uvicorn
@@ -132,6 +156,14 @@ def serve(
     from .supervisor import Keeper
     from .wiring import apply_flags, build_upstreams
 
+    try:  # before anything starts: a key asked for and missing is a usage error
+        api_key = _key("--api-key", api_key, api_key_env, "CARTSPEC_API_KEY")
+        upstream_key = _key("--upstream-key", upstream_key, upstream_key_env, "CARTSPEC_UPSTREAM_KEY")
+        plain_key = _key(None, None, plain_upstream_key_env, "CARTSPEC_PLAIN_UPSTREAM_KEY")
+        canary_key = _key("--canary-key", canary_key, canary_key_env, "CARTSPEC_CANARY_KEY")
+    except ValueError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from None
     cfg = AgentConfig.load(config) if config else AgentConfig()
     overrides = {k: v for k, v in dict(host=host, port=port, api_key=api_key, trace_path=trace,
                                        structured_outputs=structured).items() if v is not None}
@@ -162,10 +194,10 @@ def serve(
     # Owns every endpoint opened below: the vLLMs started here stop on the way out, however it goes.
     endpoints = contextlib.ExitStack()
 
-    def open_endpoint(what: DeploymentSpec | str, name: str | None) -> Endpoint:
+    def open_endpoint(what: DeploymentSpec | str, name: str | None, key: str | None) -> Endpoint:
         if isinstance(what, DeploymentSpec):
             console.print(f"starting vLLM: {what.model}, {what.label} (a minute or two on CPU; log {log_dir})")
-        ep = endpoints.enter_context(endpoint(what, log_dir=log_dir, served_name=name))
+        ep = endpoints.enter_context(endpoint(what, log_dir=log_dir, served_name=name, api_key=key))
         if ep.server is not None:
             servers.append(ep.server)
             console.print(f"vLLM ready at {ep.url} ({ep.versions.get('vllm')}, {ep.label}; log {ep.server.log_path})")
@@ -207,7 +239,7 @@ def serve(
                                 warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
             ups = build_upstreams(spec, open_endpoint, upstream=upstream, served_name=served_name, label=label,
                                   upstream_key=upstream_key, plain=plain, plain_upstream=plain_upstream,
-                                  plain_served_name=plain_served_name, canary_head=canary_head,
+                                  plain_served_name=plain_served_name, plain_key=plain_key, canary_head=canary_head,
                                   canary_upstream=canary_upstream, canary_served_name=canary_served_name,
                                   canary_key=canary_key)
         except (DeploymentError, EndpointError, ModelNotFound, FileNotFoundError, ValueError) as exc:
@@ -225,7 +257,7 @@ def serve(
             raise typer.Exit(2) from None
         agent = app.state.agent
         cn = agent.canary
-        console.print("targets: " + ", ".join(f"{t} {u.label} at {u.base_url}" for t, u in ups.items())
+        console.print("targets: " + ", ".join(f"{t} {u.label} at {u.shown_url}" for t, u in ups.items())
                       + f"; router {'on (' + cfg.router.policy + ')' if cfg.router.enabled else 'off'}"
                       + f"; acceptance fallback {'on' if agent.fallback else 'off'}"
                       + f"; admission {f'on (max wait {cfg.admission.max_wait_s:g}s)' if agent.admission else 'off'}"
@@ -240,6 +272,23 @@ def serve(
         if keeper:
             keeper.stopping.set()  # first: a keeper still running would restart what is stopped next
         endpoints.close()
+
+
+def _key(value_flag: str | None, value: str | None, env_flag: str | None, default_var: str) -> str | None:
+    """A key from the variable ``env_flag`` names, else from the deprecated ``value_flag`` (with a warning:
+    a key on the command line is in the process list and the shell's history), else from ``default_var`` when
+    set. Raises ``MissingApiKey`` (a ValueError) for a named variable that holds none."""
+    import os
+
+    from ..serving.endpoint import api_key_from_env
+
+    if env_flag:
+        return api_key_from_env(env_flag)
+    if value:
+        _warn(f"{value_flag} KEY is deprecated: any local user sees the key in the process list; "
+              f"export a variable and pass {value_flag}-env VAR instead")
+        return value
+    return os.environ.get(default_var, "").strip() or None
 
 
 def adaptive_schedule(spec: "DeploymentSpec") -> "DeploymentSpec":

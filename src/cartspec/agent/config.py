@@ -164,7 +164,8 @@ class AgentConfig(FileModel):
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    api_key: str | None = Field(None, description="when set, /v1/* needs 'Authorization: Bearer KEY' or 'X-API-Key'")
+    api_key: str | None = Field(None, description="when set, /v1/* and /metrics need 'Authorization: Bearer KEY' "
+                                "or 'X-API-Key' (`serve --api-key-env VAR` reads it from a variable instead)")
     structured_outputs: bool = Field(True, description="constrain every reply with vLLM's JSON-schema decoding")
     retry_unparsable: bool = Field(True, description="one constrained retry when a reply does not parse")
     temperature: float = Field(0.0, ge=0, le=2)
@@ -174,9 +175,11 @@ class AgentConfig(FileModel):
     max_inflight: int = Field(64, ge=1, description="model calls in flight per deployment; more wait in queue")
     max_queue: int = Field(1024, ge=0, description="waiting beyond this -> 503 overloaded")
     probe_interval_s: float = Field(1.0, gt=0, description="health checks of a deployment that is down")
-    max_body_bytes: int = Field(64 * 1024, ge=1024)
-    max_query_chars: int = Field(MAX_QUERY_CHARS, ge=1)
-    max_history_turns: int = Field(MAX_HISTORY_TURNS, ge=0)
+    max_body_bytes: int = Field(64 * 1024, ge=1024, description="a larger body -> 413 body_too_large")
+    max_query_chars: int = Field(MAX_QUERY_CHARS, ge=1, description="a longer query -> 422 query_too_long; at most "
+                                 f"{MAX_QUERY_CHARS}, what the model's request format takes")
+    max_history_turns: int = Field(MAX_HISTORY_TURNS, ge=0, description="more turns -> 422 malformed_history; at "
+                                   f"most {MAX_HISTORY_TURNS}, what the model's request format takes")
     trace_path: Path | None = Field(None, description="JSONL, one line per request; None: no trace")
     trace_max_bytes: int = Field(256 * 1024 * 1024, description="rotated to .1 past this size")
     cache: CacheConfig = Field(default_factory=CacheConfig)
@@ -193,6 +196,14 @@ class AgentConfig(FileModel):
         for task in ("search", "support"):
             if task not in self.max_tokens:
                 raise ValueError(f"max_tokens needs an entry for {task!r}")
+        # Refused here rather than per request: a limit past the request format's would let requests through
+        # that the model's request type then refuses (``task.data.Request``).
+        if self.max_query_chars > MAX_QUERY_CHARS:
+            raise ValueError(f"max_query_chars {self.max_query_chars} is over what the model takes: a query is at "
+                             f"most {MAX_QUERY_CHARS} characters; set max_query_chars to {MAX_QUERY_CHARS} or less")
+        if self.max_history_turns > MAX_HISTORY_TURNS:
+            raise ValueError(f"max_history_turns {self.max_history_turns} is over what the model takes: a history is "
+                             f"at most {MAX_HISTORY_TURNS} turns; set max_history_turns to {MAX_HISTORY_TURNS} or less")
         return self
 
     def public(self) -> dict:

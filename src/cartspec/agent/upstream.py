@@ -6,7 +6,9 @@ fast with 503 and the reason, instead of each of 64 clients waiting on a dead
 socket, and a background health probe (``/health``, or NIM's ``/v1/health/ready``,
 or ``/v1/models``: ``ChatClient.healthy``) marks it up again as soon as the
 server answers. The agent never owns the process: whoever started it restarts
-it (``cartspec serve`` does), and the agent follows.
+it (``cartspec serve`` does), and the agent follows. What the agent shows of one
+(``/health``, ``/metrics``, ``/v1/info``) is ``Upstream.public``: never its key,
+its spec's environment or engine flags, or credentials in its URL.
 """
 
 from __future__ import annotations
@@ -19,7 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..serving.client import ChatClient, Completion, UpstreamError
+from ..serving.urls import redact_url
 from .admission import Throughput
+
+# What of ``Upstream.info`` is public (``Upstream.public``): anything else there stays in the process.
+PUBLIC_INFO = ("spec", "versions", "head")
+# What of a deployment spec is private: its environment and raw engine flags may hold tokens and keys.
+PRIVATE_SPEC = ("env", "engine_args")
+
+
+def public_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """A deployment spec's JSON without ``PRIVATE_SPEC``: what the agent keeps and shows of it."""
+    return {k: v for k, v in spec.items() if k not in PRIVATE_SPEC}
 
 
 class UpstreamUnavailable(RuntimeError):
@@ -66,6 +79,19 @@ class Upstream:
         self.on_health_change = None  # callback(upstream), set by the app for metrics
 
     @property
+    def shown_url(self) -> str:
+        """The URL as it may be shown, logged or traced: without ``user:pw@`` or query values."""
+        return redact_url(self.base_url)
+
+    def public(self) -> dict[str, Any]:
+        """What ``/v1/info`` says of this deployment: where (``shown_url``), what runs (label, model, spec
+        without env or engine flags, versions, head); never the key."""
+        out = {k: self.info[k] for k in PUBLIC_INFO if k in self.info}
+        if isinstance(out.get("spec"), dict):
+            out["spec"] = public_spec(out["spec"])
+        return {"url": self.shown_url, "label": self.label, "model": self.model, **out}
+
+    @property
     def head_ref(self) -> str | None:
         """The head registry version it drafts with (``NAME@vNNNN``), when known (``info["head"]``)."""
         return self.info.get("head")
@@ -92,7 +118,7 @@ class Upstream:
         self._slots = asyncio.Semaphore(max_inflight)
         self._wake = asyncio.Event()
         await self.probe()
-        self._probe_task = asyncio.create_task(self._probe_loop(), name=f"probe {self.base_url}")
+        self._probe_task = asyncio.create_task(self._probe_loop(), name=f"probe {self.shown_url}")
 
     async def close(self) -> None:
         if self._probe_task:
@@ -120,7 +146,7 @@ class Upstream:
         if ok:
             self._set(True)
         elif self.health.up:
-            self._set(False, f"health check of {self.base_url} failed")
+            self._set(False, f"health check of {self.shown_url} failed")
         return ok
 
     async def _probe_loop(self) -> None:

@@ -6,7 +6,10 @@ candidate targets, opening each through ``open_endpoint``
 is used as it is); ``apply_flags`` turns on what two targets make possible (the
 router, the acceptance fallback) unless the config file or a flag said
 otherwise. The candidate (a canary, ``canary.py``) is the main spec with its
-head swapped (``canary_spec``), started like the plain target.
+head swapped (``canary_spec``), started like the plain target. Each target gets
+the key its server requires: a URL's from the command line (a key option names
+the variable holding it), a started vLLM's own random one (``VllmServer``).
+What an ``Upstream`` keeps of a spec is its public part (no env, no engine flags).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any, Callable
 
 from ..serving.spec import DeploymentSpec, Speculative
 from .config import AgentConfig
-from .upstream import Upstream, Upstreams
+from .upstream import Upstream, Upstreams, public_spec
 
 log = logging.getLogger("cartspec.agent")
 
@@ -29,9 +32,10 @@ def plain_spec(spec: DeploymentSpec) -> DeploymentSpec:
     return spec.model_copy(update={"speculative": Speculative()})
 
 
-# (spec or URL, served name on a URL) -> an open ``serving.endpoint.Endpoint``: ``url``, ``served_name``,
-# ``api_key``, ``versions``. Whoever passes it owns what it started and stops it.
-OpenEndpoint = Callable[[DeploymentSpec | str, str | None], Any]
+# (spec or URL, served name on a URL, the key a URL needs) -> an open ``serving.endpoint.Endpoint``: ``url``,
+# ``served_name``, ``api_key`` (a started server's own), ``versions``. Whoever passes it owns what it started
+# and stops it.
+OpenEndpoint = Callable[[DeploymentSpec | str, str | None, str | None], Any]
 
 
 def head_ref(spec: DeploymentSpec | None) -> str | None:
@@ -93,16 +97,17 @@ def canary_spec(spec: DeploymentSpec, head: str) -> DeploymentSpec:
 
 def _target(open_endpoint: OpenEndpoint, what: DeploymentSpec | str, served_name: str | None,
             label: str, api_key: str | None = None, head: str | None = None) -> Upstream:
-    """One target; ``api_key``: what a URL needs; ``head``: the registry version a URL drafts with, if known."""
-    ep = open_endpoint(what, served_name)
+    """One target; ``api_key``: what a URL needs (a started server has its own, ``ep.api_key``); ``head``: the
+    registry version a URL drafts with, if known."""
+    ep = open_endpoint(what, served_name, api_key)
     if isinstance(what, DeploymentSpec):  # started here: what it runs is known
-        info: dict[str, Any] = {"spec": what.model_dump(mode="json"), "versions": ep.versions}
+        info: dict[str, Any] = {"spec": public_spec(what.model_dump(mode="json")), "versions": ep.versions}
         step_stats = getattr(ep, "step_stats_path", None)  # a vLLM this process started (not a stand-in)
         if step_stats is not None:
             info["step_stats"] = str(step_stats)
         head = head_ref(what)
     else:
-        info = {"url": ep.url}
+        info = {}
     if head:
         info["head"] = head
     return Upstream(ep.url, model=ep.served_name, label=label, api_key=api_key or ep.api_key, info=info)
@@ -112,13 +117,14 @@ def build_upstreams(spec: DeploymentSpec | None, open_endpoint: OpenEndpoint, *,
                     upstream: str | None = None, served_name: str = "cartspec", label: str = "external",
                     upstream_key: str | None = None,
                     plain: bool = False, plain_upstream: str | None = None,
-                    plain_served_name: str = "cartspec",
+                    plain_served_name: str = "cartspec", plain_key: str | None = None,
                     canary_head: str | None = None, canary_upstream: str | None = None,
                     canary_served_name: str = "cartspec", canary_key: str | None = None) -> Upstreams:
-    """The agent's targets. ``open_endpoint(spec_or_url, served_name)`` opens one: it starts a spec and
-    returns it started, and uses a URL as it is. The main target is ``upstream``, else ``spec``; the plain
+    """The agent's targets. ``open_endpoint(spec_or_url, served_name, api_key)`` opens one: it starts a spec
+    and returns it started, and uses a URL as it is. The main target is ``upstream``, else ``spec``; the plain
     one is ``plain_upstream``, else (with ``plain``) ``spec``'s target without speculation. ``label``: what
-    runs on ``upstream``, for headers and metrics; ``upstream_key``: the key it needs.
+    runs on ``upstream``, for headers and metrics; ``upstream_key``, ``plain_key``, ``canary_key``: the keys
+    the URLs need.
 
     The candidate of a canary is ``canary_upstream`` (a running server; ``canary_head``, when given, says
     which head it drafts with, so a promotion reaches the registry), else (with ``canary_head``) ``spec``
@@ -160,7 +166,7 @@ def build_upstreams(spec: DeploymentSpec | None, open_endpoint: OpenEndpoint, *,
         if ref is not None and ref == main.head_ref:
             raise ValueError(f"the canary's candidate {ref} is the head the main deployment drafts with")
     if plain_upstream:
-        other = _target(open_endpoint, plain_upstream, plain_served_name, PLAIN_LABEL)
+        other = _target(open_endpoint, plain_upstream, plain_served_name, PLAIN_LABEL, api_key=plain_key)
     elif plain:
         if spec is None:
             raise ValueError("--plain needs the target's spec to start it without speculation")

@@ -23,6 +23,7 @@ from ..results import (Invocation, Machine, PointConfig, PointResult, RunManifes
                        load_results, now_iso, patch_summary)
 from ..serving.endpoint import Launcher, api_key_from_env
 from ..serving.spec import DeploymentSpec
+from ..serving.urls import redact_url
 from .grouping import run_group, shares_host
 from .plan import (SweepPlan, baseline, head_available, parse_deployment, preset,  # noqa: F401 (re-exported)
                    spec_deployment)
@@ -34,7 +35,10 @@ def write_run_file(out: Path, plan: SweepPlan, machine: Machine, api_key_env: st
     prev = RunManifest.load(out)
     # the variable's name tells a rerun where the key came from; the key itself is never written
     invocations = [*prev.invocations, Invocation(started_at=now_iso(), server_api_key_env=api_key_env)]
-    RunManifest(plan=plan.model_dump(mode="json"), machine=machine, created_at=prev.created_at or now_iso(),
+    recorded = plan.model_dump(mode="json")
+    if recorded.get("server_url"):  # a URL's user:password@ or ?key= is a credential too
+        recorded["server_url"] = redact_url(recorded["server_url"])
+    RunManifest(plan=recorded, machine=machine, created_at=prev.created_at or now_iso(),
                 invocations=invocations).save(out)
 
 

@@ -10,6 +10,8 @@ from typing import Any, Iterable
 
 import httpx
 
+from .urls import redact_url
+
 
 # Liveness paths, in the order they are tried: vLLM and SGLang answer ``/health``; NVIDIA NIM answers
 # ``/v1/health/ready`` (its ``/health`` is 404); any OpenAI-compatible server answers ``/v1/models``.
@@ -84,7 +86,8 @@ class ChatClient:
         except httpx.TimeoutException as exc:
             raise UpstreamError(f"model server timed out: {type(exc).__name__}", 504) from exc
         except httpx.HTTPError as exc:
-            raise UpstreamError(f"model server unreachable at {self.base_url}: {type(exc).__name__}") from exc
+            raise UpstreamError(f"model server unreachable at {redact_url(self.base_url)}: "
+                                f"{type(exc).__name__}") from exc
         if r.status_code != 200:
             raise UpstreamError(f"model server answered {r.status_code}: {r.text[:300]}", r.status_code)
         data = r.json()

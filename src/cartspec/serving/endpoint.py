@@ -15,7 +15,10 @@ A URL is alive when ``/health`` answers 200 (vLLM, SGLang), else ``/v1/health/re
 whose ``/health`` is 404), else ``/v1/models`` (any OpenAI-compatible server); the path that
 answered is asked first from then on. An API key goes as ``Authorization: Bearer KEY`` on every
 call. It is in neither ``describe()`` nor ``repr()``, so it cannot reach a results file; what a
-run may record is the name of the environment variable that holds it (``api_key_from_env``).
+run may record is the name of the environment variable that holds it (``api_key_from_env``). A vLLM
+started here requires a key of its own, random per start (``VllmServer.api_key``): ``Endpoint.api_key``
+is that key, so every caller that goes through the endpoint (chat, ``/v1/models``, ``/metrics``) has it.
+What is shown or recorded of a URL is ``urls.redact_url``'s (no ``user:pw@``, no query values).
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import httpx
 
 from .client import HEALTH_PATHS, auth_headers
-from .spec import DeploymentSpec, Speculative
+from .spec import DeploymentSpec, Speculative, check_name
+from .urls import redact_url
 
 if TYPE_CHECKING:
     from ..results import DeploymentInfo
@@ -74,17 +78,19 @@ def _refused(status: int) -> str:
 def first_model(url: str, api_key: str | None = None) -> str:
     """The first model a running endpoint lists on ``/v1/models``."""
     url = url.rstrip("/")
+    shown = redact_url(url)
     try:
         r = httpx.get(url + "/v1/models", headers=auth_headers(api_key), timeout=10)
-    except httpx.HTTPError as exc:
-        raise EndpointError(f"{url} is unreachable: {type(exc).__name__}: {exc}") from exc
+    except httpx.HTTPError as exc:  # httpx's own message may hold the URL as given
+        raise EndpointError(f"{shown} is unreachable: {type(exc).__name__}: {str(exc).replace(url, shown)}") \
+            from None
     if r.status_code != 200:
-        raise EndpointError(f"{url} answered HTTP {r.status_code} {r.reason_phrase} on /v1/models"
+        raise EndpointError(f"{shown} answered HTTP {r.status_code} {r.reason_phrase} on /v1/models"
                             f"{_refused(r.status_code)}")
     try:
         return str(r.json()["data"][0]["id"])
     except (ValueError, KeyError, IndexError, TypeError) as exc:
-        raise EndpointError(f"{url} lists no model on /v1/models; name the served model") from exc
+        raise EndpointError(f"{shown} lists no model on /v1/models; name the served model") from exc
 
 
 class Endpoint:
@@ -105,7 +111,8 @@ class Endpoint:
         self._versions: dict[str, str] | None = None
 
     def __repr__(self) -> str:  # never the key
-        return f"{type(self).__name__}({self.url!r}, served_name={self.served_name!r}, label={self.label!r})"
+        return (f"{type(self).__name__}({redact_url(self.url)!r}, served_name={self.served_name!r}, "
+                f"label={self.label!r})")
 
     def get(self, path: str, timeout: float = 5.0) -> httpx.Response:
         """GET ``path`` with the endpoint's key."""
@@ -131,8 +138,8 @@ class Endpoint:
         """Why the last ``alive()`` said no: what each liveness path answered."""
         seen = "; ".join(f"{p}: {s if isinstance(s, str) else f'HTTP {s}'}" for p, s in self._refusals)
         if any(s in (401, 403) for _, s in self._refusals):  # up, but not for us
-            return f"the endpoint {self.url} refuses us ({seen}){_refused(401)}"
-        return f"the endpoint {self.url} stopped answering ({seen or 'not asked yet'})"
+            return f"the endpoint {redact_url(self.url)} refuses us ({seen}){_refused(401)}"
+        return f"the endpoint {redact_url(self.url)} stopped answering ({seen or 'not asked yet'})"
 
     def log_cause(self) -> str | None:
         """The first error the server's own log records, with the log's path, where this process has its log
@@ -173,18 +180,19 @@ class Endpoint:
         return DeploymentInfo(label=self.label, method=sp.method, gamma=sp.num_speculative_tokens, head=sp.model,
                               model=self.served_name,
                               deployment_spec=self.spec.model_dump(mode="json") if self.spec else {},
-                              url=self.url, versions=dict(self.versions))
+                              url=redact_url(self.url), versions=dict(self.versions))
 
 
 class VllmEndpoint(Endpoint):
     """A ``VllmServer`` of this process (constructed here, started and stopped by ``endpoint()``):
-    liveness is its process, a death is explained by its log, and ``describe()`` says which model ran."""
+    liveness is its process, a death is explained by its log, and ``describe()`` says which model ran.
+    ``api_key``: the key the server requires (default: a random one, ``VllmServer``); ``api_key`` is then its."""
 
     def __init__(self, spec: DeploymentSpec, log_dir: str | Path, api_key: str | None = None):
         from .server import VllmServer
 
-        self.server = VllmServer(spec, log_dir=log_dir)
-        super().__init__(self.server.url, spec.name, api_key=api_key, spec=spec)
+        self.server = VllmServer(spec, log_dir=log_dir, api_key=api_key)
+        super().__init__(self.server.url, spec.name, api_key=self.server.api_key, spec=spec)
 
     def alive(self) -> bool:
         return self.server.alive()
@@ -270,8 +278,8 @@ def endpoint(spec_or_url: DeploymentSpec | str, *, log_dir: str | Path = Path("r
         yield Endpoint(spec_or_url, name, api_key=api_key, spec=runs, label=label)
         return
     spec = spec_or_url
-    if served_name and served_name != spec.name:
-        spec = spec.model_copy(update={"name": served_name})
+    if served_name and served_name != spec.name:  # checked as a spec's own name is: it is recorded and exported
+        spec = spec.model_copy(update={"name": check_name(served_name)})
     with contextlib.ExitStack() as stack:
         if launcher is not None:
             started = stack.enter_context(launcher(spec, Path(log_dir)))

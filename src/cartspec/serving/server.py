@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,10 +26,11 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 
+from ..private_files import open_private, private_dir
 from . import process
 from .engine import engine_env, engine_versions, has_cuda, kv_cache_gib, resolve_dtype
 from .spec import DeploymentSpec
@@ -100,6 +102,7 @@ class ServerInfo:
 
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's api_server requires this key on /v1/* (``--api-key`` wins over it)
 # the plugin's patches a method cannot draft without: its start is refused where one did not apply
 NEEDS_PATCH = {"hybrid": ("hybrid",), "schema": ("schema_batch",)}
 
@@ -114,13 +117,19 @@ def needs_patches(spec: DeploymentSpec) -> tuple[str, ...]:
 class VllmServer:
     """Context manager owning one vLLM OpenAI-compatible server.
 
-    ``patches`` (after ``start``): what cartspec's vLLM plugin reported doing in it (``vllm_plugin``)."""
+    ``api_key``: what vLLM requires on ``/v1/*`` (``Authorization: Bearer KEY``); by default a random key made
+    here, so that no other local user can reach the engine past whoever started it. It reaches vLLM through the
+    environment (``VLLM_API_KEY``), never the command line, which ``ps`` shows and the log records; a restart
+    keeps it, so clients keep their key with their URL. ``patches`` (after ``start``): what cartspec's vLLM
+    plugin reported doing in it (``vllm_plugin``)."""
 
     patches: dict[str, Any] = {}
 
     def __init__(self, spec: DeploymentSpec, log_dir: str | Path = "runs/logs", port: int | None = None,
-                 model_dir: str | Path | None = None, head_dir: str | Path | None = None):
+                 model_dir: str | Path | None = None, head_dir: str | Path | None = None,
+                 api_key: str | None = None):
         self.spec = spec
+        self.api_key = api_key or secrets.token_urlsafe(32)
         self.port = port or free_port()
         self.log_dir = Path(log_dir)
         self.model_dir = Path(model_dir) if model_dir else None
@@ -168,7 +177,8 @@ class VllmServer:
         return cmd + s.scale_args() + list(s.engine_args)
 
     def environment(self) -> dict[str, str]:
-        """The vLLM process's environment: ours, the engine's defaults, the speculation's and the spec's."""
+        """The vLLM process's environment: ours, the engine's defaults, the speculation's and the spec's, and the
+        server's key (``VLLM_API_KEY``, which vLLM requires on ``/v1/*``)."""
         model, head = self._resolve()
         env = {**os.environ, **engine_env(), **self.spec.env}
         if self.spec.kv_cache_fit and not has_cuda() and "VLLM_CPU_KVCACHE_SPACE" not in self.spec.env:
@@ -182,6 +192,7 @@ class VllmServer:
         from ..vllm_plugin.steps import ENV as STEP_STATS
 
         env.setdefault(STEP_STATS, str(self.step_stats_path.resolve()))
+        env[API_KEY_ENV] = self.api_key  # last: ours, whatever the caller's environment held
         return env
 
     # --- lifecycle --------------------------------------------------------
@@ -192,10 +203,9 @@ class VllmServer:
     def start(self) -> "VllmServer":
         if process.shutting_down():
             raise DeploymentError("not starting vLLM: this program is stopping")
-        self.log_dir.mkdir(parents=True, exist_ok=True)
         cmd = self.command()
         env = self.environment()
-        self._log = self.log_path.open("w")
+        self._log = self._open_log()
         self._log.write("$ " + " ".join(cmd) + "\n")
         self._log.flush()
         # Own process group: stop() can kill the engine's worker children too.
@@ -211,6 +221,16 @@ class VllmServer:
             self.stop()
             raise
         return self
+
+    def _open_log(self) -> IO[str]:
+        """The log, truncated, for this start: 0600 in a 0700 ``log_dir``, never opened through a symlink (vLLM
+        logs requests' errors, which can quote them). A directory another user owns or others may write, or a
+        link in the log's place, fails the start with what to do."""
+        try:
+            private_dir(self.log_dir)
+            return open_private(self.log_path, "w")
+        except OSError as e:  # UnsafePathError included
+            raise DeploymentError(f"cannot write the vLLM log {self.log_path}: {e}") from None
 
     def _patch_report(self, real_vllm: bool, needs: tuple[str, ...] = ()) -> dict[str, Any]:
         """What cartspec's vLLM plugin reported in the log (``vllm_plugin.read_report``): patch name -> its
@@ -247,7 +267,8 @@ class VllmServer:
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2.0) as client:
+        # with the key: vLLM leaves /health open, but a stand-in or a later vLLM may guard every path
+        with httpx.Client(timeout=2.0, headers={"Authorization": f"Bearer {self.api_key}"}) as client:
             while time.monotonic() < deadline:
                 proc = self.proc
                 if proc is None:  # stop() from another thread while we waited
