@@ -34,6 +34,7 @@ from ..private_files import open_private, private_dir
 from . import process
 from .engine import engine_env, engine_versions, has_cuda, kv_cache_gib, resolve_dtype
 from .spec import DeploymentSpec
+from ..vllm_plugin.support import BY_NAME, drafters_of
 
 class DeploymentError(RuntimeError):
     """A deployment that could not start or died; ``log_tail`` says why."""
@@ -104,14 +105,10 @@ class ServerInfo:
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's api_server requires this key on /v1/* (``--api-key`` wins over it)
 # the plugin's patches a method cannot draft without: its start is refused where one did not apply
-NEEDS_PATCH = {"hybrid": ("hybrid",), "schema": ("schema_batch",)}
-
-
 def needs_patches(spec: DeploymentSpec) -> tuple[str, ...]:
-    """The plugin's patches this deployment cannot draft as asked without (``NEEDS_PATCH``, and ``draft_stop``
-    with the head's probabilities from ``draft_vocab`` for a draft cut per request)."""
-    sp = spec.speculative
-    return NEEDS_PATCH.get(sp.method, ()) + (("draft_vocab", "draft_stop") if sp.draft_stop is not None else ())
+    """The plugin's patches this deployment cannot draft as asked without: those of each drafter it asks for
+    (``vllm_plugin.support.DRAFTERS``, the one list of what each drafter needs)."""
+    return tuple(dict.fromkeys(p for d in drafters_of(spec) if d in BY_NAME for p in BY_NAME[d].patches))
 
 
 class VllmServer:
@@ -204,6 +201,13 @@ class VllmServer:
         if process.shutting_down():
             raise DeploymentError("not starting vLLM: this program is stopping")
         cmd = self.command()
+        if VLLM_MODULE in cmd:  # a drafter this vLLM cannot run is refused before it starts (vllm_plugin.support)
+            from ..vllm_plugin.support import UnsupportedDrafter, check_drafter_supported
+
+            try:
+                check_drafter_supported(self.spec)
+            except UnsupportedDrafter as exc:
+                raise DeploymentError(str(exc)) from None
         env = self.environment()
         self._log = self._open_log()
         self._log.write("$ " + " ".join(cmd) + "\n")

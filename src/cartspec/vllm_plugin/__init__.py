@@ -30,7 +30,12 @@ The patches (``PATCHES``), in the order they are applied (and wrap one another):
 
 Each reports ``applied``, ``skipped`` with its reason, or ``failed`` with its reason, once per process, in
 the server's log (``registry``); ``cartspec doctor`` prints the same for this machine. With the pinned vLLM
-a needed patch that fails stops vLLM's start with its name.
+a needed patch that fails stops vLLM's start with its name; on another vLLM version every patch is skipped
+(each is written for the pinned one), and ``support`` says which drafters that version still runs through
+vLLM's public speculative config and refuses the others (docs/vllm-versions.md).
+
+This package is the only place that knows vLLM's internals: ``drafting`` (the rules, the gate, the schema
+tracker) imports nothing of vLLM.
 """
 
 from __future__ import annotations

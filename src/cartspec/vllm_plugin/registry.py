@@ -17,6 +17,12 @@ without (``essential``: the hybrid drafter), a failure raises ``PatchError`` nam
 fails to start with that message, never runs silently without it. With another vLLM version a failure of
 a fix is reported and vLLM runs as shipped.
 
+A patch names the vLLM version whose private names it was written against (``Patch.vllm``, the pinned one
+for every patch cartspec ships). On any other version it is ``skipped`` with that reason, at once, without
+looking at vLLM's code: private names of another version are not a contract (vLLM 0.34 removed the V1
+model runner that every patch touches). vLLM then runs on its public speculative config alone, and
+``support`` says which drafters that leaves. ``vllm_version`` is the one place the installed version is read.
+
 ``contract`` checks the targets of every patch against the installed vLLM without applying anything
 (``tests/test_vllm_contract.py`` and ``cartspec doctor`` run it).
 """
@@ -87,6 +93,7 @@ class Patch:
     apply: Callable[[object], None]
     needed: Callable[[], str | None]
     essential: bool = False  # the deployment cannot run without it, whatever the vLLM version
+    vllm: str | None = PINNED_VLLM  # the vLLM version whose private names it touches; None: any version
 
 
 @dataclass(frozen=True)
@@ -143,10 +150,23 @@ def vllm_version() -> str | None:
     return None
 
 
+def same_version(version: str | None, other: str) -> bool:
+    """Is ``version`` (a vLLM version, None where none is installed) ``other``, its local part (``+cpu``) aside?"""
+    return version is not None and version.split("+")[0] == other.split("+")[0]
+
+
 def pinned() -> bool:
     """Is the installed vLLM the one cartspec is tested with? (Its local part, ``+cpu``, aside.)"""
-    v = vllm_version()
-    return v is not None and v.split("+")[0] == PINNED_VLLM
+    return same_version(vllm_version(), PINNED_VLLM)
+
+
+def other_version(patch: Patch, version: str | None) -> str | None:
+    """Why ``patch`` is skipped on vLLM ``version`` (written for another one), or None where it is for it. An
+    unknown version (a vLLM without its package metadata) is tried: the contract check still guards it."""
+    if patch.vllm is None or version is None or same_version(version, patch.vllm):
+        return None
+    return (f"written for vLLM {patch.vllm}, not {version}: vLLM runs without it (its upstream status: "
+            "docs/vllm-versions.md)")
 
 
 # --- applying, once per process --------------------------------------------------------------------
@@ -167,6 +187,8 @@ def run(patch: Patch, mod, statuses: dict[str, PatchStatus] | None = None) -> Pa
         print(status.line(), file=sys.stderr, flush=True)
         return status
 
+    if why_not := other_version(patch, vllm_version()):
+        return _record(PatchStatus(patch.name, "skipped", why_not))
     try:
         why_not = patch.needed()
     except Exception as exc:  # noqa: BLE001 - a bad setting (an environment variable) names itself
@@ -235,7 +257,13 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install(patches: Sequence[Patch]) -> None:
-    """Apply ``patches`` to their modules now where loaded, else when each is first imported."""
+    """Apply ``patches`` to their modules now where loaded, else when each is first imported. A patch written
+    for another vLLM version is reported skipped at once: its module may never be imported there."""
+    version = vllm_version()
+    for p in patches:
+        if other_version(p, version):
+            run(p, None)
+    patches = [p for p in patches if p.name not in STATUSES]
     for name in dict.fromkeys(p.module for p in patches):
         if name in sys.modules:
             run_module(patches, sys.modules[name])
