@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.testclient import TestClient
 
 from cartspec.agent import AgentConfig, CacheConfig, RouterConfig, Upstream, Upstreams, create_app
@@ -36,7 +36,9 @@ def _free_port() -> int:
 
 class FakeUpstream:
     """Scripted chat server: ``reply(body) -> text``, ``delay_s``, ``status`` (and ``error``, its message when
-    not 200); records every body."""
+    not 200), ``finish_reason``; records every body. ``/v1/completions`` too; a body with ``stream`` is answered
+    in server-sent events, a word per chunk ``chunk_delay_s`` apart (``sent``: the chunks sent so far), then
+    the usage chunk with vLLM's per-request metrics when ``stream_options.include_usage`` asks for it."""
 
     def __init__(self, port: int | None = None):
         self.port = port or _free_port()
@@ -46,6 +48,9 @@ class FakeUpstream:
         self.status = 200
         self.error = "scripted failure"
         self.spec: dict | None = SPEC
+        self.finish_reason = "stop"
+        self.chunk_delay_s = 0.0
+        self.sent = 0
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -62,6 +67,13 @@ class FakeUpstream:
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request):
+            return await answer(request, chat=True)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await answer(request, chat=False)
+
+        async def answer(request: Request, chat: bool):
             import asyncio
 
             body = await request.json()
@@ -71,12 +83,37 @@ class FakeUpstream:
             if self.status != 200:
                 return JSONResponse({"error": {"message": self.error}}, status_code=self.status)
             text = self.reply(body)
-            return {"choices": [{"message": {"content": text}, "finish_reason": "stop"}],
-                    "usage": {"prompt_tokens": 40, "completion_tokens": 25},
-                    "metrics": {"queue_time_ms": 1.5, "time_to_first_token_ms": 9.0,
-                                **({"speculative_decoding": self.spec} if self.spec else {})}}
+            metrics = {"queue_time_ms": 1.5, "time_to_first_token_ms": 9.0,
+                       **({"speculative_decoding": self.spec} if self.spec else {})}
+            usage = {"prompt_tokens": 40, "completion_tokens": 25, "total_tokens": 65}
+            if body.get("stream"):
+                return StreamingResponse(self._chunks(body, text, chat, usage, metrics),
+                                         media_type="text/event-stream")
+            choice = {"index": 0, "finish_reason": self.finish_reason,
+                      **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}
+            return {"id": "up-1", "object": "chat.completion" if chat else "text_completion", "created": 1,
+                    "model": body["model"], "choices": [choice], "usage": usage, "metrics": metrics}
 
         return app
+
+    async def _chunks(self, body: dict, text: str, chat: bool, usage: dict, metrics: dict):
+        import asyncio
+
+        def chunk(choices, **extra) -> str:
+            return "data: " + json.dumps({"id": "up-1", "object": "chat.completion.chunk" if chat else
+                                          "text_completion", "created": 1, "model": body["model"],
+                                          "choices": choices, **extra}) + "\n\n"
+
+        self.sent = 0
+        for piece in re.findall(r"\s*\S+\s*|\s+", text):
+            yield chunk([{"index": 0, "finish_reason": None,
+                          **({"delta": {"content": piece}} if chat else {"text": piece})}])
+            self.sent += 1
+            await asyncio.sleep(self.chunk_delay_s)
+        yield chunk([{"index": 0, "finish_reason": self.finish_reason, **({"delta": {}} if chat else {"text": ""})}])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            yield chunk([], usage=usage, metrics=metrics)
+        yield "data: [DONE]\n\n"
 
     def start(self) -> "FakeUpstream":
         cfg = uvicorn.Config(self._app(), host="127.0.0.1", port=self.port, log_level="error", lifespan="off")
@@ -412,14 +449,14 @@ def test_the_engines_step_times_reach_metrics_and_the_trace(upstream, tmp_path, 
         path.write_text(json.dumps({"pid": 1, "by_batch": {"1": row}}))
 
     engine_at(10)
-    real_chat = Upstream.chat
+    real_complete = Upstream.complete
 
-    async def chat(self, *args, **kwargs):  # the engine runs 4 steps while the call is answered
-        out = await real_chat(self, *args, **kwargs)
+    async def complete(self, *args, **kwargs):  # the engine runs 4 steps while the call is answered
+        out = await real_complete(self, *args, **kwargs)
         engine_at(14)
         return out
 
-    monkeypatch.setattr(Upstream, "chat", chat)
+    monkeypatch.setattr(Upstream, "complete", complete)
     up = Upstream(upstream.url, label="eagle3-domain-g3", info={"step_stats": str(path)})
     with make_client(Upstreams(speculative=up), tmp_path) as c:
         assert post(c, "/v1/search", {"query": "red running shoes under $120"}).status_code == 200

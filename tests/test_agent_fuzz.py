@@ -62,9 +62,13 @@ def agent_log():
 
 
 def error_of(response) -> dict:
-    """The agent's error shape: ``{"error": {"type", "reason", "request_id"}}`` with a real reason."""
+    """The agent's error shape: ``{"error": {"type", "reason", "request_id"}}`` with a real reason; on the OpenAI
+    endpoints OpenAI's, ``{"error": {"message", "type", "param", "code"}}``, its message the reason."""
     err = response.json()["error"]
     assert isinstance(err["type"], str) and err["type"], response.text
+    if "message" in err:
+        assert {"param", "code"} <= set(err), response.text
+        err = {**err, "reason": err["message"]}
     assert isinstance(err["reason"], str) and len(err["reason"].strip()) > 5, response.text
     return err
 
@@ -229,8 +233,8 @@ def test_a_content_length_int_cannot_read_is_no_server_error(upstream, tmp_path,
 
 def test_a_failure_inside_the_agent_is_logged_without_the_request(upstream, tmp_path, agent_log):
     with make_client(upstream, tmp_path) as c:
-        async def broken(endpoint, task, req, rec):
-            raise ValueError(f"cannot handle {req.query!r}")
+        async def broken(endpoint, call, rec):
+            raise ValueError(f"cannot handle {call.query!r}")
 
         c.app.state.agent.answer = broken
         r = c.post("/v1/search", json={"query": SECRET})

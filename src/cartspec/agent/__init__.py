@@ -1,4 +1,4 @@
-"""The commerce agent service: an HTTP API in front of vLLM deployments.
+"""The agent service: an HTTP API in front of vLLM deployments, OpenAI's for any model and the commerce task's.
 
 ``create_app(config, upstream)`` builds the FastAPI app; ``cartspec serve``
 brings up a deployment (or two: ``--plain``) and the app together. Modules,
@@ -8,7 +8,8 @@ canary (a candidate head on a share of the traffic, promoted or rolled back),
 admission (refuse what would wait too long), upstream (deployments, their
 health and throughput), acceptance (one definition of it), metrics
 (Prometheus), trace (JSONL per request; the traffic log is ``task.traffic``),
-app (validation, retries, error mapping). Around it: defaults (what ``cartspec serve`` deploys), wiring (what goes
+chat (the one call every endpoint makes: messages, format, retry plan), openai_api (OpenAI's
+endpoints, request and response types), app (validation, retries, error mapping). Around it: defaults (what ``cartspec serve`` deploys), wiring (what goes
 behind the agent), supervisor (restarts a deployment that died), process (the
 agent as a process its caller owns: the drills and tests) and cli
 (``cartspec serve``, a shell over these).

@@ -1,7 +1,9 @@
 """The agent's HTTP API.
 
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``: OpenAI's API (``openai_api``)
 ``POST /v1/search``  {query, history?} -> SearchParams (every field, typed)
 ``POST /v1/support`` {query, history?} -> SupportReply
+Both kinds make the same call (``chat.ChatCall``): the commerce endpoints build the task's messages and schema.
 ``GET /health`` (liveness, with upstream state), ``GET /ready`` (503 while no
 deployment answers), ``GET /metrics`` (Prometheus), ``GET /v1/info`` (what runs).
 With an API key set, /v1/* and /metrics require it; /health and /ready stay open
@@ -35,7 +37,7 @@ import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -45,11 +47,9 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..serving.client import UpstreamError
+from ..serving.client import Completion, UpstreamError
 from ..task.data import MAX_HISTORY_TURNS, MAX_QUERY_CHARS, Turn
 from ..task.data import Request as TaskRequest
-from ..task.parse import read_reply
-from ..task.prompts import messages as task_messages
 from ..task.schema import SearchParams, SupportReply, json_schema
 from ..task.traffic import TrafficRecord, TrafficWriter
 from ..vllm_plugin import steps as engine_steps
@@ -57,6 +57,7 @@ from .acceptance import AcceptanceStats, reply_stats
 from .admission import Admission, Throughput
 from .cache import CoalescedCancelled, HotCache, request_key
 from .canary import STATES, Arm, Canary, Decision
+from .chat import ChatCall, Reading, commerce_call
 from .config import AgentConfig
 from .fallback import AcceptanceFallback, Switch
 from .metrics import AgentMetrics
@@ -161,9 +162,12 @@ def _text_problem(text: str) -> str | None:
 
 # --- errors -------------------------------------------------------------------
 class ApiError(Exception):
-    def __init__(self, status: int, type_: str, reason: str, headers: dict[str, str] | None = None):
+    """A request's failure as the caller is told it; ``param``: the request field at fault (OpenAI's errors)."""
+
+    def __init__(self, status: int, type_: str, reason: str, headers: dict[str, str] | None = None,
+                 param: str | None = None):
         super().__init__(reason)
-        self.status, self.type, self.reason, self.headers = status, type_, reason, headers or {}
+        self.status, self.type, self.reason, self.headers, self.param = status, type_, reason, headers or {}, param
 
 
 class InvalidModelOutput(RuntimeError):
@@ -227,7 +231,37 @@ class Answer:
     spec: SpecTrace | None = None
     stats: AcceptanceStats | None = None
     output_tokens: int = 0
+    prompt_tokens: int = 0
+    finish_reason: str | None = None
     canary_decision: Decision | None = None    # a canary decision this request made
+    last_stats: AcceptanceStats | None = None  # the last model call's draft counts
+    stream: "OpenStream | None" = None         # a streamed request's upstream stream, while it is relayed
+
+
+@dataclass
+class OpenStream:
+    """A streamed request's open upstream stream: its lines, and what ``stream_ended`` needs to observe it.
+    ``close()`` ends the call (the connection and the deployment's slot)."""
+
+    stack: contextlib.AsyncExitStack
+    lines: AsyncIterator[str]
+    target: str
+    up: Upstream
+    t0: float
+    queued: float
+    steps_before: Any
+    constrained: bool
+
+    async def close(self) -> None:
+        await self.stack.aclose()
+
+
+Ask = Callable[..., Awaitable[Answer]]
+
+
+def _dumped(value: Any) -> dict[str, Any]:
+    """A typed commerce reply as JSON; a chat reply's value is its text, kept in ``Answer.reply_text``."""
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else {}
 
 
 def make_fallback(config: AgentConfig, upstreams: Upstreams) -> AcceptanceFallback | None:
@@ -266,6 +300,7 @@ class Agent:
         self.metrics = AgentMetrics()
         self.trace = TraceWriter(config.trace_path, config.trace_max_bytes)
         self.schemas = {"search": json_schema("search"), "support": json_schema("support")}
+        self.started = int(time.time())
         m = self.metrics
         m.cache_entries.set_function(lambda: len(self.cache))
         for target, up in upstreams.items():
@@ -317,9 +352,9 @@ class Agent:
         if not hmac.compare_digest(given.encode(), key.encode()):
             raise ApiError(401, "unauthorized", "wrong API key", {"WWW-Authenticate": "Bearer"})
 
-    async def read_body(self, request: Request) -> AskBody:
-        """The request's body, checked: ``ApiError`` (a 4xx) for anything the model is not to be sent. No reason
-        quotes the body: errors go to the trace and the log."""
+    async def read_json(self, request: Request, what: str) -> dict[str, Any]:
+        """The request's body, a JSON object (``what`` it should be, for the reasons), read within the size
+        limit: ``ApiError`` (a 4xx) otherwise. No reason quotes the body: errors go to the trace and the log."""
         ctype = request.headers.get("content-type", "")
         if ctype.split(";")[0].strip().lower() != "application/json":
             raise ApiError(415, "unsupported_media_type",
@@ -341,10 +376,15 @@ class Agent:
                            "the client closed the connection before sending its body") from None
         raw = b"".join(chunks)
         if not raw.strip():
-            raise ApiError(400, "malformed_json", "empty body: send a JSON object with 'query'")
+            raise ApiError(400, "malformed_json", f"empty body: send {what}")
         data = _parse_json(raw)
         if not isinstance(data, dict):
             raise ApiError(422, "invalid_request", f"body must be a JSON object, got {type(data).__name__}")
+        return data
+
+    async def read_body(self, request: Request) -> AskBody:
+        """A commerce request's body, checked: ``ApiError`` (a 4xx) for anything the model is not to be sent."""
+        data = await self.read_json(request, "a JSON object with 'query'")
         if "query" not in data:
             raise ApiError(422, "invalid_request", "query: required")
         if not isinstance(data["query"], str):
@@ -380,6 +420,20 @@ class Agent:
             if not turn.content.strip():
                 raise ApiError(422, "malformed_history", f"history.{i}.content: must not be empty")
         return body
+
+    @property
+    def model_id(self) -> str:
+        """The model clients name (OpenAI's ``model``): the main deployment's served name."""
+        main = self.upstreams.by_target.get("speculative") or self.upstreams["plain"]
+        return main.model
+
+    def check_model(self, name: str) -> str:
+        """``name`` when it is the agent's model or a deployment's served name; the agent's model id is what
+        responses name. A 404 ``model_not_found`` otherwise, naming the one to use."""
+        if name == self.model_id or any(name == up.model for _, up in self.upstreams.items()):
+            return self.model_id
+        raise ApiError(404, "model_not_found", f"model: this agent serves '{self.model_id}' (GET /v1/models lists it)",
+                       param="model")
 
     # --- model calls -----------------------------------------------------------
     def route(self, task: str, query: str) -> tuple[RouteDecision, Upstream]:
@@ -481,14 +535,23 @@ class Agent:
             rec.canary = CanaryTrace(**asdict(self.canary.view(arm, ans.canary_decision)))
         ans.decision, ans.deployment, ans.upstream = decision, up.label, up
 
-    async def answer(self, endpoint: str, task: str, req: TaskRequest, rec: TraceRecord) -> Answer:
-        decision, up = self.route(task, req.query)
+    async def answer(self, endpoint: str, call: ChatCall, rec: TraceRecord) -> Answer:
+        """``call`` answered whole: routed, admitted, asked (with the constrained retry), observed."""
+        return await self._dispatch(endpoint, call, rec, self._ask)
+
+    async def open_stream(self, endpoint: str, call: ChatCall, rec: TraceRecord) -> Answer:
+        """``call`` routed, admitted and its upstream stream opened (``Answer.stream``); what the stream
+        carries is observed when it ends (``stream_ended``). A refusal before the first chunk raises here."""
+        return await self._dispatch(endpoint, call, rec, self._open_stream)
+
+    async def _dispatch(self, endpoint: str, call: ChatCall, rec: TraceRecord, run: Ask) -> Answer:
+        decision, up = self.route(call.task, call.route_text)
         # Timing goes straight into the trace record, so a failed request still shows where its time went.
         ans = Answer(value={}, timing=rec.timing)
         self._routed(endpoint, decision, up, rec, ans)
         self.admit(endpoint, decision.target, up, rec)
         try:
-            return await self._observed(endpoint, task, req, rec, ans, decision.target, up)
+            return await self._observed(endpoint, call, rec, ans, decision.target, up, run)
         except (UpstreamUnavailable, UpstreamError) as exc:
             if decision.target != "candidate" or not _counts_against(exc):
                 raise
@@ -498,116 +561,252 @@ class Agent:
             decision = replace(decision, target="speculative", reason="failover-candidate-error")
             up = self.upstreams["speculative"]
             self._routed(endpoint, decision, up, rec, ans)
-            return await self._observed(endpoint, task, req, rec, ans, decision.target, up)
+            return await self._observed(endpoint, call, rec, ans, decision.target, up, run)
 
-    async def _observed(self, endpoint: str, task: str, req: TaskRequest, rec: TraceRecord, ans: Answer,
-                        target: str, up: Upstream) -> Answer:
-        """``_ask``, with its outcome counted for the canary's arm when the request is one of its arms'."""
+    async def _observed(self, endpoint: str, call: ChatCall, rec: TraceRecord, ans: Answer, target: str,
+                        up: Upstream, run: Ask) -> Answer:
+        """``run``, with its outcome counted for the canary's arm when the request is one of its arms' (a
+        stream's once it ends)."""
         arm = self._arm(target)
         try:
-            await self._ask(endpoint, task, req, rec, ans, target, up)
+            await run(endpoint, call, rec, ans, target, up)
         except (UpstreamUnavailable, UpstreamError, InvalidModelOutput) as exc:
             if arm is not None and _counts_against(exc):
                 self.canary_observe(arm, ans, rec, error=True)
             raise
-        if arm is not None:
+        if arm is not None and ans.stream is None:
             self.canary_observe(arm, ans, rec)
         return ans
 
-    async def _ask(self, endpoint: str, task: str, req: TaskRequest, rec: TraceRecord, ans: Answer,
-                   target: str, up: Upstream) -> Answer:
-        msgs = ans.messages = task_messages(req)
-        c = self.config
-        plan = [c.structured_outputs] + ([True] if c.retry_unparsable else [])
-        max_tokens = c.max_tokens[task]
+    async def _call(self, endpoint: str, call: ChatCall, rec: TraceRecord, ans: Answer, target: str,
+                    up: Upstream, body: dict[str, Any]) -> Completion:
+        """One model call, not streamed, observed (``_observe``)."""
+        t0 = time.perf_counter()
+        steps_before = engine_steps.read(up.step_stats) if up.step_stats else None
+        try:
+            comp, queued = await up.complete(call.path, body)
+        except (UpstreamUnavailable, UpstreamError) as exc:
+            self._upstream_failed(target, exc, ans, t0)
+            raise
+        self._observe(endpoint, rec, ans, target, up, comp, time.perf_counter() - t0, queued, steps_before)
+        return comp
+
+    def _upstream_failed(self, target: str, exc: Exception, ans: Answer, t0: float) -> None:
+        if isinstance(exc, UpstreamUnavailable):
+            self.metrics.upstream_errors.labels(target, "down").inc()
+            return
+        kind = {0: "unreachable", 504: "timeout"}.get(exc.status, f"http_{exc.status}")
+        self.metrics.upstream_errors.labels(target, kind).inc()
+        ans.timing.upstream_ms += (time.perf_counter() - t0) * 1000  # a failed call's wait counts too
+
+    def _observe(self, endpoint: str, rec: TraceRecord, ans: Answer, target: str, up: Upstream, comp: Completion,
+                 call_s: float, queued: float, steps_before: Any) -> None:
+        """One finished model call into the answer, its trace, the metrics and the acceptance fallback."""
+        ans.model_ms += call_s * 1000
+        ans.timing.queue_ms += queued * 1000
+        ans.timing.upstream_ms += (call_s - queued) * 1000
+        engine = (comp.raw.get("metrics") or {}) if comp.raw else {}
+        if engine.get("queue_time_ms") is not None:
+            ans.timing.engine_queue_ms = engine["queue_time_ms"]
+        if engine.get("time_to_first_token_ms") is not None:
+            ans.timing.engine_ttft_ms = engine["time_to_first_token_ms"]
+        self.metrics.stage.labels(endpoint, "queue").observe(queued)
+        self.metrics.stage.labels(endpoint, "upstream").observe(call_s - queued)
+        rec.output_tokens, rec.finish_reason = comp.output_tokens, comp.finish_reason
+        rec.spec = SpecTrace.from_vllm(comp.request_spec_metrics)
+        if steps_before is not None:  # the engine's steps while this call ran (shared with the calls beside it)
+            rec.engine = EngineTrace.of(engine_steps.difference(engine_steps.read(up.step_stats), steps_before))
+        self.metrics.output_tokens.labels(target).inc(comp.output_tokens)
+        ans.last_stats = reply_stats(comp.request_spec_metrics)
+        self.metrics.observe_spec(target, ans.last_stats)
+        if self.fallback is not None and target == self._speculative_target():
+            switch = self.fallback.observe(ans.last_stats)
+            if switch is not None:
+                self.switched(switch)
+
+    def _read(self, endpoint: str, call: ChatCall, ans: Answer, rec: TraceRecord, comp: Completion,
+              temperature: float, constrained: bool) -> Reading:
+        """The reply read (``call.read``), timed; a usable one is kept as the answer's."""
+        t1 = time.perf_counter()
+        reading = call.read(comp.text)
+        parse_s = time.perf_counter() - t1
+        ans.timing.parse_ms += parse_s * 1000
+        self.metrics.stage.labels(endpoint, "parse").observe(parse_s)
+        if reading.value is not None or (comp.finish_reason == "length" and not call.grow_on_length):
+            ans.reply_text, ans.temperature, ans.constrained = comp.text, temperature, constrained
+            ans.spec, ans.stats, ans.output_tokens = rec.spec, ans.last_stats, comp.output_tokens
+            ans.prompt_tokens, ans.finish_reason = comp.prompt_tokens, comp.finish_reason
+        return reading
+
+    async def _ask(self, endpoint: str, call: ChatCall, rec: TraceRecord, ans: Answer, target: str,
+                   up: Upstream) -> Answer:
+        ans.messages = list(call.messages or [])
+        max_tokens = call.max_tokens
         last_error = ""
         fallback = None
         ans.structured = []
         ans.model_ms = 0.0
-        observe_fallback = self.fallback is not None and target == self._speculative_target()
-        for attempt, constrained in enumerate(plan, 1):
+        for attempt, constrained in enumerate(call.plan, 1):
             ans.attempts = rec.attempts = attempt
             ans.structured.append(constrained)
             rec.structured = ans.structured
-            temperature = c.temperature if attempt == 1 else 0.0
-            t0 = time.perf_counter()
-            steps_before = engine_steps.read(up.step_stats) if up.step_stats else None
-            try:
-                comp, queued = await up.chat(msgs, max_tokens=max_tokens, temperature=temperature,
-                                             json_schema=self.schemas[task] if constrained else None)
-            except UpstreamUnavailable:
-                self.metrics.upstream_errors.labels(target, "down").inc()
-                raise
-            except UpstreamError as exc:
-                kind = {0: "unreachable", 504: "timeout"}.get(exc.status, f"http_{exc.status}")
-                self.metrics.upstream_errors.labels(target, kind).inc()
-                ans.timing.upstream_ms += (time.perf_counter() - t0) * 1000  # a failed call's wait counts too
-                raise
-            call_s = time.perf_counter() - t0
-            ans.model_ms += call_s * 1000
-            ans.timing.queue_ms += queued * 1000
-            ans.timing.upstream_ms += (call_s - queued) * 1000
-            engine = (comp.raw.get("metrics") or {}) if comp.raw else {}
-            if engine.get("queue_time_ms") is not None:
-                ans.timing.engine_queue_ms = engine["queue_time_ms"]
-            if engine.get("time_to_first_token_ms") is not None:
-                ans.timing.engine_ttft_ms = engine["time_to_first_token_ms"]
-            self.metrics.stage.labels(endpoint, "queue").observe(queued)
-            self.metrics.stage.labels(endpoint, "upstream").observe(call_s - queued)
-            rec.output_tokens, rec.finish_reason = comp.output_tokens, comp.finish_reason
-            rec.spec = SpecTrace.from_vllm(comp.request_spec_metrics)
-            if steps_before is not None:  # the engine's steps while this call ran (shared with the calls beside it)
-                rec.engine = EngineTrace.of(engine_steps.difference(engine_steps.read(up.step_stats), steps_before))
-            self.metrics.output_tokens.labels(target).inc(comp.output_tokens)
-            stats = reply_stats(comp.request_spec_metrics)
-            self.metrics.observe_spec(target, stats)
-            if observe_fallback:
-                switch = self.fallback.observe(stats)
-                if switch is not None:
-                    self.switched(switch)
-
-            t1 = time.perf_counter()
-            reading = read_reply(task, comp.text)
-            parse_s = time.perf_counter() - t1
-            ans.timing.parse_ms += parse_s * 1000
-            self.metrics.stage.labels(endpoint, "parse").observe(parse_s)
-            if reading.value is not None:  # this call's reply may be the answer: what the traffic log keeps
-                ans.reply_text, ans.temperature, ans.constrained = comp.text, temperature, constrained
-                ans.spec, ans.stats, ans.output_tokens = rec.spec, stats, comp.output_tokens
-            if reading.value is not None and reading.schema_valid:
-                self.metrics.attempts.labels(endpoint, str(attempt), "valid").inc()
-                self.router.observe(task, req.query, comp.output_tokens)
-                ans.value = reading.value.model_dump(mode="json")
+            temperature = call.temperature if attempt == 1 else 0.0
+            comp = await self._call(endpoint, call, rec, ans, target, up,
+                                    call.body(constrained, max_tokens, temperature))
+            reading = self._read(endpoint, call, ans, rec, comp, temperature, constrained)
+            cut = comp.finish_reason == "length"
+            if reading.valid or (cut and not call.grow_on_length):
+                # valid; or cut by the client's own max_tokens, which a retry would cut again: the answer as it
+                # is, finish_reason "length" saying so (as OpenAI's API answers)
+                self.metrics.attempts.labels(endpoint, str(attempt), "valid" if reading.valid else "cut").inc()
+                self.router.observe(call.task, call.route_text, comp.output_tokens)
+                ans.value = _dumped(reading.value)
                 return ans
             outcome = "repaired" if reading.value is not None else "unparsable"
             self.metrics.attempts.labels(endpoint, str(attempt), outcome).inc()
             if reading.value is not None:
                 fallback = reading.value
-            last_error = reading.parsed.error or "reply does not validate against the schema"
-            if comp.finish_reason == "length":
+            last_error = reading.error
+            if cut:
                 last_error += f" (cut at max_tokens={max_tokens})"
                 max_tokens *= 2
         if fallback is not None:  # every attempt needed repair: the repaired value is still typed and valid
             ans.repaired = rec.repaired = True
-            ans.value = fallback.model_dump(mode="json")
+            ans.value = _dumped(fallback)
             return ans
-        raise InvalidModelOutput(f"the model's reply is not a valid {task} object after {len(plan)} "
-                                 f"attempt(s), the last constrained to the schema: {last_error}")
+        what = f"a valid {call.task} object" if call.task in ("search", "support") else "what response_format asks"
+        raise InvalidModelOutput(f"the model's reply is not {what} after {len(call.plan)} attempt(s)"
+                                 f"{', the last constrained to the schema' if call.plan[-1] else ''}: {last_error}")
+
+    async def _open_stream(self, endpoint: str, call: ChatCall, rec: TraceRecord, ans: Answer, target: str,
+                           up: Upstream) -> Answer:
+        """The upstream stream of ``call``'s one attempt, open (a stream has no retry: its tokens are sent)."""
+        constrained = call.plan[0]
+        ans.messages = list(call.messages or [])
+        ans.attempts = rec.attempts = 1
+        ans.structured = rec.structured = [constrained]
+        stack = contextlib.AsyncExitStack()
+        t0 = time.perf_counter()
+        steps_before = engine_steps.read(up.step_stats) if up.step_stats else None
+        try:
+            queued, lines = await stack.enter_async_context(
+                up.stream(call.path, call.body(constrained, call.max_tokens, call.temperature, stream=True)))
+        except (UpstreamUnavailable, UpstreamError) as exc:
+            self._upstream_failed(target, exc, ans, t0)
+            raise
+        ans.stream = OpenStream(stack, lines, target, up, t0, queued, steps_before, constrained)
+        return ans
+
+    def stream_ended(self, endpoint: str, call: ChatCall, rec: TraceRecord, ans: Answer, comp: Completion | None,
+                     error: Exception | None = None) -> Reading | None:
+        """A stream's end observed as a whole reply is: its call (``comp``: text, usage and vLLM's counts from
+        the last chunks), its reading against the call's format, the router and the canary. ``error``: it
+        broke off (the deployment's fault when ``_counts_against``; the client's when it left)."""
+        st = ans.stream
+        reading = None
+        if comp is not None:
+            self._observe(endpoint, rec, ans, st.target, st.up, comp, time.perf_counter() - st.t0, st.queued,
+                          st.steps_before)
+            reading = self._read(endpoint, call, ans, rec, comp, call.temperature, st.constrained)
+            outcome = "valid" if reading.valid else "cut" if comp.finish_reason == "length" else "invalid"
+            self.metrics.attempts.labels(endpoint, "1", outcome).inc()
+            self.router.observe(call.task, call.route_text, comp.output_tokens)
+        arm = self._arm(st.target)
+        if arm is not None and (comp is not None or (error is not None and _counts_against(error))):
+            self.canary_observe(arm, ans, rec, error=comp is None)
+        return reading
+
+    # --- one request, start to end ---------------------------------------------------
+    async def answer_cached(self, endpoint: str, call: ChatCall, rec: TraceRecord, key: str | None,
+                            request: Request) -> Answer:
+        """``answer`` within the request deadline, through the hot cache when ``key`` is set (None: not
+        cacheable); ``Cache-Control: no-cache`` asks the model again. Sets the trace's cache state and status."""
+        no_cache = "no-cache" in request.headers.get("cache-control", "").lower()
+
+        async def compute() -> Answer:
+            rec.cache = "off" if key is None else "bypass" if no_cache else "miss"
+            return await self.answer(endpoint, call, rec)
+
+        async def run() -> tuple[Answer, str]:
+            if key is None:
+                return await compute(), "off"
+            return await self.cache.get_or_compute(key, compute, read=not no_cache)
+
+        ans, rec.cache = await asyncio.wait_for(run(), timeout=self.config.request_timeout_s)
+        rec.status = 200
+        return ans
+
+    def error_of(self, exc: BaseException, rid: str) -> ApiError:
+        """What the caller is told of a failed request: a 4xx for what it can fix, a 5xx for what the
+        deployment did; an exception the agent did not expect is logged with its traceback, never its message."""
+        c = self.config
+        if isinstance(exc, ApiError):
+            return exc
+        if isinstance(exc, UpstreamUnavailable):
+            return ApiError(exc.status, "upstream_unavailable", exc.reason,
+                            {"Retry-After": str(max(1, round(exc.retry_after_s)))})
+        if isinstance(exc, UpstreamError):
+            if exc.status == 504:
+                return ApiError(504, "upstream_timeout", f"model server did not answer within {c.upstream_timeout_s:g}s")
+            if exc.status == 0:
+                return ApiError(503, "upstream_unavailable", str(exc), {"Retry-After": "1"})
+            if exc.status == 400 and _CONTEXT_TOO_LONG.search(str(exc)):
+                return ApiError(422, "conversation_too_long",
+                                "query and history do not fit the model's context: shorten the history")
+            if exc.status >= 500:
+                return ApiError(503, "upstream_error", str(exc), {"Retry-After": "1"})
+            return ApiError(502, "upstream_rejected", str(exc))
+        if isinstance(exc, InvalidModelOutput):
+            return ApiError(502, "invalid_model_output", str(exc))
+        if isinstance(exc, (asyncio.TimeoutError, CoalescedCancelled)):
+            return ApiError(504, "timeout", f"no answer within the request deadline of {c.request_timeout_s:g}s")
+        # the service keeps serving; the log says where it broke, never with what
+        log.error("request %s failed:\n%s", rid, _bare_traceback(exc))
+        return ApiError(500, "internal", f"internal error ({type(exc).__name__}): the agent's log has its "
+                        f"traceback under request id {rid}")
+
+    def settle(self, endpoint: str, rec: TraceRecord, t0: float, response: Response | None = None) -> None:
+        """A request's end: its total time, the canary and timing headers (a response not sent yet), the
+        metrics, and its trace line, whatever its outcome."""
+        total = time.perf_counter() - t0
+        rec.timing.total_ms = total * 1000
+        if response is not None:
+            if rec.canary is not None:
+                response.headers["X-Cartspec-Canary"] = rec.canary.header()
+            if rec.cache in FRESH and rec.status == 200:
+                t = rec.timing
+                response.headers["Server-Timing"] = (f"queue;dur={t.queue_ms:.1f}, upstream;dur={t.upstream_ms:.1f}, "
+                                                     f"parse;dur={t.parse_ms:.2f}, total;dur={t.total_ms:.1f}")
+        m = self.metrics
+        if rec.cache:
+            m.cache.labels(endpoint, rec.cache).inc()
+        m.requests.labels(endpoint, str(rec.status)).inc()
+        m.latency.labels(endpoint).observe(total)
+        try:
+            self.trace.write(rec)
+        except OSError:
+            log.exception("trace write failed")
+
+    def records(self, rec: TraceRecord) -> bool:
+        """Whether the request goes to the traffic log: answered by the model (not the cache), with a traffic
+        directory set."""
+        return self.traffic is not None and rec.status == 200 and rec.cache in FRESH
 
     # --- traffic ------------------------------------------------------------------
     _traffic_thread: ThreadPoolExecutor | None = None
 
-    async def record_traffic_off_loop(self, rid: str, task: str, req: TaskRequest, ans: Answer,
-                                      rec: TraceRecord) -> None:
+    async def record_traffic_off_loop(self, rid: str, call: ChatCall, ans: Answer, rec: TraceRecord) -> None:
         """``record_traffic`` on a thread of its own: redacting a long record is CPU work that would hold the
         event loop, and one thread writes the records in the order the answers finished."""
         if self._traffic_thread is None:
             self._traffic_thread = ThreadPoolExecutor(1, thread_name_prefix="cartspec-traffic")
         await asyncio.get_running_loop().run_in_executor(self._traffic_thread, self.record_traffic,
-                                                         rid, task, req, ans, rec)
+                                                         rid, call, ans, rec)
 
-    def record_traffic(self, rid: str, task: str, req: TaskRequest, ans: Answer, rec: TraceRecord) -> None:
-        """One answered request into the traffic log; a failure is logged, never the request's."""
+    def record_traffic(self, rid: str, call: ChatCall, ans: Answer, rec: TraceRecord) -> None:
+        """One answered request into the traffic log; a failure is logged, never the request's. A commerce
+        request keeps its query and history, a chat its messages, a completion its prompt (as ``query``, with
+        no messages: it went to the model without a chat template)."""
         if self.traffic is None:
             return
         try:
@@ -615,7 +814,8 @@ class Agent:
             spec = ans.spec
             head, version = _split_ref(up.head_ref if up else None)
             self.traffic.write(TrafficRecord(
-                id=rid, ts=time.time(), task=task, query=req.query, history=list(req.history),
+                id=rid, ts=time.time(), task=call.task, query=call.prompt if call.prompt is not None else call.query,
+                history=list(call.history),
                 messages=ans.messages, reply=ans.reply_text, temperature=ans.temperature,
                 structured=ans.constrained, route=rec.route, deployment=ans.deployment, head=head,
                 head_version=version, gamma=up.gamma if up else None,
@@ -624,6 +824,28 @@ class Agent:
                 latency_ms=rec.timing.total_ms))
         except Exception:
             log.exception("traffic record of request %s not written", rid)
+
+
+FRESH = ("miss", "bypass", "off")  # cache states of an answer the model gave this request
+
+
+def request_id(request: Request) -> str:
+    """The caller's ``X-Request-Id`` when it is a plain token, else a new one."""
+    rid = request.headers.get("x-request-id", "")
+    return rid if _REQUEST_ID.match(rid) else uuid.uuid4().hex[:16]
+
+
+def answer_headers(rec: TraceRecord, ans: Answer) -> dict[str, str]:
+    """What an answer's headers say of it: the cache, and for the model's own answer the route, deployment and
+    attempts."""
+    headers = {"X-Cartspec-Cache": rec.cache or "off"}
+    if rec.cache in FRESH:
+        headers["X-Cartspec-Route"] = ans.decision.header()
+        headers["X-Cartspec-Deployment"] = ans.deployment or ""
+        headers["X-Cartspec-Attempts"] = str(ans.attempts)
+        if ans.repaired:
+            headers["X-Cartspec-Repaired"] = "1"
+    return headers
 
 
 def _counts_against(exc: Exception) -> bool:
@@ -646,6 +868,8 @@ def _or_nan(x: float | None) -> float:
 
 
 def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream | str | None = None) -> FastAPI:
+    from .openai_api import OPENAI_PATHS, add_openai_routes, openai_error, warm_grammar
+
     config = config or AgentConfig()
     if upstream is None:
         raise ValueError("create_app needs an upstream: an Upstreams, an Upstream or a base URL")
@@ -653,6 +877,8 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        # vLLM's grammar library takes seconds to import: on a thread now, not in the first schema's request
+        asyncio.get_running_loop().run_in_executor(None, warm_grammar)
         for _, up in agent.upstreams.items():
             await up.start(config.upstream_timeout_s, config.max_inflight, config.max_queue,
                            config.probe_interval_s)
@@ -674,6 +900,9 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
     async def _http_error(request: Request, exc: StarletteHTTPException):
         type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         reason = f"{request.method[:16]} {request.url.path[:120]}: {str(exc.detail)[:200]}"
+        if request.url.path in OPENAI_PATHS:  # an OpenAI client reads OpenAI's error shape
+            return openai_error(ApiError(exc.status_code, type_, reason, getattr(exc, "headers", None)),
+                                request_id(request))
         return _error(exc.status_code, type_, reason, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)  # a declared parameter that does not validate
@@ -684,97 +913,30 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
 
     async def handle(request: Request, endpoint: str, task: str) -> Response:
         t0 = time.perf_counter()
-        rid = request.headers.get("x-request-id", "")
-        rid = rid if _REQUEST_ID.match(rid) else uuid.uuid4().hex[:16]
+        rid = request_id(request)
         rec = TraceRecord(id=rid, endpoint=endpoint)
-        m = agent.metrics
         headers = {"X-Request-Id": rid}
+        call = None
         try:
             agent.check_auth(request)
             body = await agent.read_body(request)
             req = TaskRequest(query=body.query, history=body.history, task=task)  # type: ignore[arg-type]
+            call = commerce_call(task, req, agent.schemas[task], max_tokens=config.max_tokens[task],
+                                 temperature=config.temperature, structured=config.structured_outputs,
+                                 retry=config.retry_unparsable)
             history = [(t.role, t.content) for t in body.history]
-            cacheable = agent.cache.cacheable(len(history))
-            no_cache = "no-cache" in request.headers.get("cache-control", "").lower()
-
-            async def compute() -> Answer:
-                rec.cache = "off" if not cacheable else "bypass" if no_cache else "miss"
-                return await agent.answer(endpoint, task, req, rec)
-
-            async def run() -> tuple[Answer, str]:
-                if not cacheable:
-                    return await compute(), "off"
-                key = request_key(task, body.query, history)
-                return await agent.cache.get_or_compute(key, compute, read=not no_cache)
-
-            ans, cache_state = await asyncio.wait_for(run(), timeout=config.request_timeout_s)
-            rec.cache = cache_state
-            rec.status = 200
-            headers["X-Cartspec-Cache"] = cache_state
-            if cache_state in ("miss", "bypass", "off"):
-                rec.timing = ans.timing
-                headers["X-Cartspec-Route"] = ans.decision.header()
-                headers["X-Cartspec-Deployment"] = ans.deployment or ""
-                headers["X-Cartspec-Attempts"] = str(ans.attempts)
-                if ans.repaired:
-                    headers["X-Cartspec-Repaired"] = "1"
+            key = request_key(task, body.query, history) if agent.cache.cacheable(len(history)) else None
+            ans = await agent.answer_cached(endpoint, call, rec, key, request)
+            headers.update(answer_headers(rec, ans))
             response = JSONResponse(ans.value, headers=headers)
-        except ApiError as exc:
-            response = _fail(rec, headers, exc.status, exc.type, exc.reason, exc.headers)
-        except UpstreamUnavailable as exc:
-            response = _fail(rec, headers, exc.status, "upstream_unavailable", exc.reason,
-                             {"Retry-After": str(max(1, round(exc.retry_after_s)))})
-        except UpstreamError as exc:
-            if exc.status == 504:
-                response = _fail(rec, headers, 504, "upstream_timeout",
-                                 f"model server did not answer within {config.upstream_timeout_s:g}s")
-            elif exc.status == 0:
-                response = _fail(rec, headers, 503, "upstream_unavailable", str(exc), {"Retry-After": "1"})
-            elif exc.status == 400 and _CONTEXT_TOO_LONG.search(str(exc)):
-                response = _fail(rec, headers, 422, "conversation_too_long",
-                                 "query and history do not fit the model's context: shorten the history")
-            elif exc.status >= 500:
-                response = _fail(rec, headers, 503, "upstream_error", str(exc), {"Retry-After": "1"})
-            else:
-                response = _fail(rec, headers, 502, "upstream_rejected", str(exc))
-        except InvalidModelOutput as exc:
-            response = _fail(rec, headers, 502, "invalid_model_output", str(exc))
-        except (asyncio.TimeoutError, CoalescedCancelled):
-            response = _fail(rec, headers, 504, "timeout",
-                             f"no answer within the request deadline of {config.request_timeout_s:g}s")
-        except Exception as exc:  # the service keeps serving; the log says where it broke, never with what
-            log.error("request %s failed:\n%s", rid, _bare_traceback(exc))
-            response = _fail(rec, headers, 500, "internal",
-                             f"internal error ({type(exc).__name__}): the agent's log has its traceback under "
-                             f"request id {rid}")
-        total = time.perf_counter() - t0
-        rec.timing.total_ms = total * 1000
-        if rec.canary is not None:
-            response.headers["X-Cartspec-Canary"] = rec.canary.header()
-        if rec.cache in ("miss", "bypass", "off") and rec.status == 200:
-            t = rec.timing
-            response.headers["Server-Timing"] = (f"queue;dur={t.queue_ms:.1f}, upstream;dur={t.upstream_ms:.1f}, "
-                                                 f"parse;dur={t.parse_ms:.2f}, total;dur={t.total_ms:.1f}")
-        if rec.cache:
-            m.cache.labels(endpoint, rec.cache).inc()
-        m.requests.labels(endpoint, str(rec.status)).inc()
-        m.latency.labels(endpoint).observe(total)
-        try:
-            agent.trace.write(rec)
-        except OSError:
-            log.exception("trace write failed")
-        if agent.traffic is not None and rec.status == 200 and rec.cache in ("miss", "bypass", "off"):
-            # after the response is sent: recording never delays an answer
-            async def record(ans: Answer = ans, req: TaskRequest = req) -> None:  # redacted off the event loop
-                await agent.record_traffic_off_loop(rid, task, req, ans, rec)
-
-            response.background = BackgroundTask(record)
+        except Exception as exc:
+            err = agent.error_of(exc, rid)
+            rec.status, rec.error, rec.reason = err.status, err.type, err.reason
+            response = _error(err.status, err.type, err.reason, rid, {**headers, **err.headers})
+        agent.settle(endpoint, rec, t0, response)
+        if call is not None and agent.records(rec):  # after the response is sent: never delays an answer
+            response.background = BackgroundTask(agent.record_traffic_off_loop, rid, call, ans, rec)
         return response
-
-    def _fail(rec: TraceRecord, headers: dict[str, str], status: int, type_: str, reason: str,
-              extra: dict[str, str] | None = None) -> JSONResponse:
-        rec.status, rec.error, rec.reason = status, type_, reason
-        return _error(status, type_, reason, rec.id, {**headers, **(extra or {})})
 
     @app.post("/v1/search", response_model=SearchParams, summary="Search parameters for a shopper's query",
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
@@ -787,6 +949,8 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
                   "schema": body_schema}}}})
     async def support(request: Request):
         return await handle(request, "support", "support")
+
+    add_openai_routes(app, agent)
 
     @app.get("/health")
     async def health():  # open to probes: nothing on it is private (URLs redacted)

@@ -137,8 +137,9 @@ def serve(
     restart: bool = typer.Option(True, help="restart vLLM if it dies"),
     force: bool = force_option("serve a head"),
 ) -> None:
-    """Serve the commerce agent (search parameters, support replies) on a vLLM deployment,
-    or on two (--plain): speculative and plain, with the router and the acceptance fallback;
+    """Serve a model behind the agent: OpenAI's API (/v1/chat/completions, streamed or not, /v1/completions,
+    /v1/models) for any model, and the commerce endpoints (/v1/search, /v1/support) for the commerce model, on a
+    vLLM deployment, or on two (--plain): speculative and plain, with the router and the acceptance fallback;
     with a canary of a candidate head beside it (--canary-head) and traffic recording (--record-traffic).
 
     Each vLLM started here requires a random key of its own, which only the agent holds. Keys are read from
@@ -264,9 +265,14 @@ def serve(
                       + (f"; canary on (1 in {cn.every} speculative requests to {cn.candidate or 'the candidate'}"
                          f", against {cn.current or 'the current head'})" if cn else "")
                       + (f"; recording traffic to {cfg.traffic.dir}" if agent.traffic else ""))
-        console.print(f"[green]agent on http://{cfg.host}:{cfg.port}[/]  try:\n"
-                      f"  curl -s http://{cfg.host}:{cfg.port}/v1/search -H 'content-type: application/json' "
-                      "-d '{\"query\": \"red trail runners under $120, size 10, no nike\"}'")
+        base = f"http://{cfg.host}:{cfg.port}"
+        auth = f" -H \"authorization: Bearer ${api_key_env or 'CARTSPEC_API_KEY'}\"" if cfg.api_key else ""
+        console.print(f"[green]agent on {base}[/] (OpenAI API at {base}/v1, model '{agent.model_id}')  try:\n"
+                      f"  curl -s {base}/v1/chat/completions -H 'content-type: application/json'{auth} -d "
+                      f"'{{\"model\": \"{agent.model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": "
+                      "\"Hello!\"}]}'\n"
+                      f"  curl -s {base}/v1/search -H 'content-type: application/json'{auth} "
+                      "-d '{\"query\": \"red trail runners under $120, size 10, no nike\"}'  (the commerce model)")
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level="warning", timeout_graceful_shutdown=10)
     finally:
         if keeper:

@@ -21,6 +21,9 @@ class CacheConfig(BaseModel):
     max_entries: int = Field(4096, ge=1)
     ttl_s: float = Field(600.0, gt=0, description="a cached reply older than this is asked again")
     max_history_turns: int = Field(4, ge=0, description="longer conversations are rarely repeated: not cached")
+    openai: bool = Field(False, description="also cache /v1/chat/completions and /v1/completions replies at "
+                         "temperature 0, not streamed, keyed by the exact request (off: a client's requests are "
+                         "its own, and a chat is rarely repeated word for word)")
 
 
 class RouterConfig(BaseModel):

@@ -26,6 +26,7 @@ class Timing(BaseModel):
     total_ms: float = 0.0
     engine_queue_ms: float | None = None   # vLLM's own queue time, when it reports per-request metrics
     engine_ttft_ms: float | None = None
+    ttft_ms: float | None = None           # a stream: from the request's arrival to its first chunk of text
 
 
 class SpecTrace(BaseModel):

@@ -18,7 +18,9 @@ import contextlib
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
+
+import httpx
 
 from ..serving.client import ChatClient, Completion, UpstreamError
 from ..serving.urls import redact_url
@@ -163,9 +165,11 @@ class Upstream:
                 await self.probe()
 
     # --- calls --------------------------------------------------------------
-    async def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float,
-                   json_schema: dict[str, Any] | None) -> tuple[Completion, float]:
-        """The completion and the seconds it waited for a free slot."""
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[float]:
+        """One model call's place at this deployment, held until the block ends (a stream: its last chunk);
+        yields the seconds it waited for it. Fails fast (``UpstreamUnavailable``) when the deployment is known
+        to be down or its queue is full, and marks it down when the call finds it unreachable."""
         if not self.health.up:
             raise UpstreamUnavailable(f"model server {self.label} is down since "
                                       f"{self.health.describe()['since']}: {self.health.reason}",
@@ -187,10 +191,8 @@ class Upstream:
             if not self.health.up:  # it went down while we queued
                 raise UpstreamUnavailable(f"model server {self.label} went down: {self.health.reason}",
                                           retry_after_s=self._probe_interval)
-            comp = await self._client.chat(messages, max_tokens=max_tokens, temperature=temperature,
-                                           json_schema=json_schema)
+            yield queued
             completed = True
-            return comp, queued
         except UpstreamError as exc:
             if exc.status in (0, 502, 503):
                 self._set(False, str(exc))
@@ -199,6 +201,76 @@ class Upstream:
             self.inflight -= 1
             self.throughput.end(completed)
             self._slots.release()
+
+    async def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float,
+                   json_schema: dict[str, Any] | None) -> tuple[Completion, float]:
+        """The completion and the seconds it waited for a free slot."""
+        async with self.slot() as queued:
+            comp = await self._client.chat(messages, max_tokens=max_tokens, temperature=temperature,
+                                           json_schema=json_schema)
+        return comp, queued
+
+    async def complete(self, path: str, body: dict[str, Any]) -> tuple[Completion, float]:
+        """``body`` (its ``model`` set to this deployment's) posted to ``path`` (``/v1/chat/completions`` or
+        ``/v1/completions``), not streamed: the completion and the seconds it waited for a free slot."""
+        async with self.slot() as queued:
+            t0 = time.perf_counter()
+            r = await self._post(path, {**body, "model": self.model})
+            if r.status_code != 200:
+                raise UpstreamError(f"model server answered {r.status_code}: {r.text[:300]}", r.status_code)
+            comp = completion_of(r.json(), time.perf_counter() - t0)
+        return comp, queued
+
+    @contextlib.asynccontextmanager
+    async def stream(self, path: str, body: dict[str, Any]) -> AsyncIterator[tuple[float, AsyncIterator[str]]]:
+        """``body`` posted to ``path`` with ``stream`` on: (seconds queued, the response's lines as they come),
+        the slot held until the block ends. A refusal (not 200) raises ``UpstreamError`` before anything is
+        yielded, so the caller can still answer with an error status; leaving the block early closes the
+        connection, which makes vLLM abort the request."""
+        async with self.slot() as queued:
+            request = self._client.http.build_request("POST", path, json={**body, "model": self.model})
+            try:
+                r = await self._client.http.send(request, stream=True)
+            except httpx.TimeoutException as exc:
+                raise UpstreamError(f"model server timed out: {type(exc).__name__}", 504) from exc
+            except httpx.HTTPError as exc:
+                raise UpstreamError(f"model server unreachable at {self.shown_url}: {type(exc).__name__}") from exc
+            try:
+                if r.status_code != 200:
+                    text = (await r.aread()).decode("utf-8", "replace")
+                    raise UpstreamError(f"model server answered {r.status_code}: {text[:300]}", r.status_code)
+                yield queued, _lines(r)
+            finally:
+                await r.aclose()
+
+    async def _post(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        try:
+            return await self._client.http.post(path, json=body)
+        except httpx.TimeoutException as exc:
+            raise UpstreamError(f"model server timed out: {type(exc).__name__}", 504) from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"model server unreachable at {self.shown_url}: {type(exc).__name__}") from exc
+
+
+async def _lines(r: httpx.Response) -> AsyncIterator[str]:
+    try:
+        async for line in r.aiter_lines():
+            yield line
+    except httpx.TimeoutException as exc:
+        raise UpstreamError(f"model server timed out mid-stream: {type(exc).__name__}", 504) from exc
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"model server dropped the stream: {type(exc).__name__}") from exc
+
+
+def completion_of(data: dict[str, Any], seconds: float) -> Completion:
+    """A non-streamed reply of ``/v1/chat/completions`` or ``/v1/completions`` as a ``Completion``."""
+    choice = (data.get("choices") or [{}])[0]
+    text = (choice.get("message") or {}).get("content") if "message" in choice else choice.get("text")
+    usage = data.get("usage") or {}
+    metrics = data.get("metrics") or choice.get("metrics") or {}
+    return Completion(text=text or "", prompt_tokens=usage.get("prompt_tokens", 0),
+                      output_tokens=usage.get("completion_tokens", 0), finish_reason=choice.get("finish_reason"),
+                      seconds=seconds, request_spec_metrics=metrics.get("speculative_decoding"), raw=data)
 
 
 class Upstreams:

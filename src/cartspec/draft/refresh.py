@@ -151,7 +151,7 @@ def load_traffic(path: Path, share: float, min_records: int = MIN_RECORDS) -> Tr
     if path.is_dir() and not any(path.glob(FILE_GLOB)):
         raise RefreshError(f"{path} holds no traffic files (traffic-*.jsonl): record traffic with "
                            f"`cartspec serve --record-traffic {path}`, or point --traffic at the directory it wrote")
-    records = read_traffic(path)
+    records = [r for r in read_traffic(path) if r.messages]  # a completion's raw prompt: no chat turns to train on
     if not records:
         raise RefreshError(f"the traffic files in {path} hold no records yet")
     kept = dedupe(records)

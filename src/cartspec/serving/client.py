@@ -75,6 +75,11 @@ class ChatClient:
                                        limits=limits)
         self._health_path = HEALTH_PATHS[0]
 
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The connection pool, with the key and base URL set: for calls ``chat`` does not make (a stream)."""
+        return self._http
+
     async def chat(self, messages: list[dict[str, str]], max_tokens: int = 256, temperature: float = 0.0,
                    json_schema: dict[str, Any] | None = None, seed: int | None = None,
                    extra: dict[str, Any] | None = None) -> Completion:

@@ -50,7 +50,9 @@ class TrafficRecord(BaseModel):
     v: int = FORMAT_VERSION
     id: str
     ts: float = Field(description="unix time the answer was written")
-    task: Literal["search", "support"]
+    task: Literal["search", "support", "chat", "completion"] = Field(
+        description="search and support: the commerce endpoints; chat: /v1/chat/completions (the client's "
+                    "``messages``, ``query`` empty); completion: /v1/completions (its prompt in ``query``, no messages)")
     query: str
     history: list[Turn] = Field(default_factory=list)
     messages: list[dict[str, str]] = Field(description="the chat messages sent to the target")
@@ -541,8 +543,12 @@ def _norm(text: str) -> str:
 
 
 def request_key(rec: TrafficRecord) -> tuple:
-    """What makes two records the same request: task, query and history, whitespace and case ignored."""
-    return (rec.task, _norm(rec.query), tuple((t.role, _norm(t.content)) for t in rec.history))
+    """What makes two records the same request: task, query and history, whitespace and case ignored; for a
+    chat, its messages (the system prompt included)."""
+    key = (rec.task, _norm(rec.query), tuple((t.role, _norm(t.content)) for t in rec.history))
+    if rec.task == "chat":
+        key += tuple((m.get("role"), _norm(m.get("content", ""))) for m in rec.messages)
+    return key
 
 
 def dedupe(records: Iterable[TrafficRecord]) -> list[TrafficRecord]:
