@@ -382,7 +382,7 @@ def test_in_vllm_drafts_are_cut_per_request_replies_stay_the_targets_and_steps_a
     def run(spec, name):
         with endpoint(spec, log_dir=tmp_path / name) as ep:
             async def go():
-                async with ChatClient(ep.url, ep.served_name, timeout=600) as client:
+                async with ChatClient(ep.url, ep.served_name, timeout=600, api_key=ep.api_key) as client:
                     greedy = await gather_limited((client.chat(messages(r), max_tokens=24, temperature=0.0,
                                                                extra={"return_token_ids": True}) for r in reqs), 4)
                     sampled = await gather_limited((client.chat(messages(r), max_tokens=16, temperature=0.5, seed=i)

@@ -15,7 +15,7 @@ def test_local_judge_reads_letters_and_is_calibrated(tmp_path):
     setup = JudgeSetup(mode="reference", calibration_per_kind=2)
     with judge_endpoint(setup, tmp_path / "logs") as ep:
         def make():
-            return ChatClient(ep.url, ep.served_name)
+            return ChatClient(ep.url, ep.served_name, api_key=ep.api_key)
 
         reqs = generate("test", 4)
         judged = judge_sync(make, [(r, '{"intent": "search"}', '{"intent": "support"}', None) for r in reqs])

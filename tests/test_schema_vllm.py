@@ -57,7 +57,7 @@ def _run(spec, reqs, tmp_path):
 
     with endpoint(spec, log_dir=tmp_path / "logs") as ep:
         async def go():
-            async with ChatClient(ep.url, ep.served_name, timeout=600) as client:
+            async with ChatClient(ep.url, ep.served_name, timeout=600, api_key=ep.api_key) as client:
                 greedy = await gather_limited(
                     (client.chat(messages(r), max_tokens=40, temperature=0.0, json_schema=json_schema(r.task),
                                  extra={"return_token_ids": True}) for r in reqs), 4)
