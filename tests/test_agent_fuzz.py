@@ -21,7 +21,7 @@ from schemathesis.python.asgi import shutdown_lifespans
 
 from cartspec.agent import AgentConfig, Upstream, create_app
 from cartspec.agent.trace import TraceWriter, read_trace
-from test_agent_app import SEARCH_JSON, FakeUpstream, make_client
+from test_agent_app import SEARCH_JSON, FakeUpstream, make_client, upstream  # noqa: F401 (a fixture)
 
 SUPPORT_JSON = '{"intent": "support", "topic": "refund_window", "reply": "You have 30 days."}'
 SECRET = "my card is 4111 1111 1111 1111, order AB12345"  # request text no error may quote
@@ -44,13 +44,6 @@ class LogLines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(self.format(record))
-
-
-@pytest.fixture
-def upstream():
-    fake = FakeUpstream().start()
-    yield fake
-    fake.stop()
 
 
 @pytest.fixture

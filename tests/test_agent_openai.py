@@ -22,7 +22,7 @@ from cartspec.agent import AgentConfig, CacheConfig, FallbackConfig, Upstream, U
 from cartspec.agent.config import CanaryConfig
 from cartspec.agent.trace import read_trace
 from cartspec.task.traffic import TrafficConfig, dedupe, read_traffic
-from test_agent_app import SEARCH_JSON, SPEC, FakeUpstream
+from test_agent_app import SEARCH_JSON, SPEC, FakeUpstream, upstream  # noqa: F401 (a fixture)
 
 KEY = "agent-key-0123456789"
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1}},
@@ -68,13 +68,6 @@ def sdk(tmp_path: Path, upstreams, **kw):
         client = openai.OpenAI(base_url=url + "/v1", api_key=kw.get("api_key") or "unused", max_retries=0)
         client.agent_url = url
         yield client
-
-
-@pytest.fixture
-def upstream():
-    fake = FakeUpstream().start()
-    yield fake
-    fake.stop()
 
 
 @pytest.fixture

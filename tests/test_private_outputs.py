@@ -4,8 +4,6 @@ symlink; a directory another user could write is refused, and ``cartspec serve``
 
 from __future__ import annotations
 
-import os
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -18,19 +16,8 @@ from cartspec.agent.trace import TraceRecord, TraceWriter, read_trace
 from cartspec.private_files import UnsafePathError
 from cartspec.serving.server import DeploymentError
 from cartspec.serving.spec import DeploymentSpec
+from test_private_files import _mode, open_umask  # noqa: F401 (a fixture)
 from test_serving_cleanup import STANDIN, StandIn
-
-
-def _mode(p) -> int:
-    return stat.S_IMODE(os.lstat(p).st_mode)
-
-
-@pytest.fixture
-def open_umask():
-    """A umask that would leave everything open: the modes must not depend on the caller's."""
-    old = os.umask(0)
-    yield
-    os.umask(old)
 
 
 @pytest.fixture
