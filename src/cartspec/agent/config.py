@@ -31,7 +31,7 @@ class RouterConfig(BaseModel):
 
     Why route at all: on a CPU the draft's cost grows with the batch (a head that
     drafts nothing useful costs more at a batch of 8 than at one stream: the
-    generic head's row in docs/experiments.md, "Paper preset, session 3"), and a
+    generic head's row in docs/archive/experiments-2026-11.md, "Paper preset, session 3"), and a
     short reply leaves few tokens for the draft to win back its cost.
     """
 
@@ -52,7 +52,7 @@ class FallbackConfig(BaseModel):
     A draft head that stops matching the target (a new adapter, drifted traffic)
     makes speculation slower than none: a head trained for the base model accepts
     few of its drafts on the fine-tuned commerce model and runs under the baseline
-    (the generic head in docs/drafting.md and docs/experiments.md, "Paper preset,
+    (the generic head in docs/drafting.md and docs/archive/experiments-2026-11.md, "Paper preset,
     session 3", with the command and the machine). The agent keeps a rolling acceptance rate
     (accepted / drafted tokens over the last ``window_requests`` speculative
     replies); below ``threshold`` it routes to the plain deployment and sends

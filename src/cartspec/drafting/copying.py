@@ -51,7 +51,8 @@ def value_in_prompt(context: Sequence[int], prompt_len: int, info: TokenInfo,
     # letter ("h" + "unting" of the shopper's "Hunting"), and the prompt's latest word with that initial is
     # then what the reply copies. Where the head knows the value instead (an enum, a size), the rules that
     # copy keep it: the pointer's "no copy" vetoes the text, and the gate keeps a head that is sure of its
-    # token (the simulator's figures before and after: docs/drafting.md, "A value's first character").
+    # token (the simulator's figures before and after: docs/archive/2026-12-drafting-research.md, "A value's
+    # first character").
     # A token that does not decode alone (a byte of a multi-byte character, U+FFFD) matches nothing real.
     if (len(value) < MIN_VALUE_CHARS or not any(c.isalnum() for c in value) or "\ufffd" in value
             or SPECIAL_TEXT in value):

@@ -40,7 +40,7 @@ from .tokens import encoder
 FORMATS = ((", ", ": "), (",", ":"))  # the separators a reply may write, in the order a track tries them
 TRACKS = 512  # requests whose track ``SchemaGrammar.track_for`` keeps (a server's requests in flight)
 MAX_PIECES = 32  # forced/chosen pieces per draft, a bound on the loop
-LAST_KEYS = 2  # chosen on the dev split's greedy replies (docs/drafting.md)
+LAST_KEYS = 2  # chosen on the dev split's greedy replies (docs/archive/2026-12-drafting-research.md)
 SHORT_VALUE = 24  # characters: a string value this long so far is a copied value, not free text (``combine``)
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'&.+-]*")
 _NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?")

@@ -28,7 +28,8 @@ class CpuPreload:
 
     vLLM's CPU worker asks for both ("speculative decoding on CPU without Intel OpenMP in LD_PRELOAD will
     cause significant performance loss"); without them it preloads torch's own libgomp and glibc's malloc
-    serves every tensor. Measured on a 2-core AVX-512 EPYC in bfloat16 (docs/experiments.md, session 31):
+    serves every tensor. Measured on a 2-core AVX-512 EPYC in bfloat16
+    (docs/archive/experiments-2026-12-03-to-07.md, session 31):
     the baseline ×1.19 at one stream, the EAGLE-3 head ×1.14, the hybrid ×1.16 / ×1.21 at one / eight
     streams, with every greedy reply unchanged. ``value`` is what ``LD_PRELOAD`` gets ("" where neither is
     found: vLLM's default then); ``missing`` says per library what to install."""

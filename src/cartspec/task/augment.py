@@ -8,9 +8,10 @@ only) in which every such value is replaced, in the request and in the gold, by 
 These pools are in no generator pool (seen or held) and in no novel pool, nor share a word with one (a test
 checks), so training on them leaks nothing of the held-out words the test and novel sets measure.
 
-Measured (docs/drafting.md, "Training on from a head"): 800 of them beside the 1,600 plain requests, trained
-on from the bundled head for two more epochs, gave the head 35.2% of copied values on the novel set (τ 2.901)
-where the same training without them gave 32.9% (τ 2.880); with the hybrid's pointer, no gain (τ 3.477 / 3.480).
+Measured (docs/archive/2026-12-drafting-research.md, "Training on from a head"): 800 of them beside the 1,600
+plain requests, trained on from the bundled head for two more epochs, gave the head 35.2% of copied values on the
+novel set (τ 2.901) where the same training without them gave 32.9% (τ 2.880); with the hybrid's pointer, no gain
+(τ 3.477 / 3.480).
 """
 
 from __future__ import annotations

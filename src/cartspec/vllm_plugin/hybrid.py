@@ -138,8 +138,9 @@ def record_hidden(drafter) -> list | None:
 
     Why hidden states and not probabilities: a softmax over the full vocabulary for every request and
     position costs more than the drafting it judges (``benchmarks/gate_softmax_cost.py``; the figures and
-    the machine: docs/drafting.md, "How the hybrid's defaults were chosen"), while the gate needs one
-    probability per request that has a copy, at most; ``head_probs`` computes just those."""
+    the machine: docs/archive/2026-12-drafting-research-length-and-throughput.md, "How the hybrid's defaults
+    were chosen"), while the gate needs one probability per request that has a copy, at most; ``head_probs``
+    computes just those."""
     if drafter is None or not hasattr(drafter, "_greedy_sample") or not hasattr(drafter, "model"):
         return None
     hidden = getattr(drafter, "_cartspec_hidden", None)

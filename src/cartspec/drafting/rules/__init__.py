@@ -7,7 +7,7 @@ returns the ``k`` tokens to verify. ``propose`` runs the configured rule, then t
 call ``propose``, so the two make the same choice.
 
 The rules, each extending the one before where it lost a token class (the measurements that chose and
-retired them: docs/drafting.md and docs/experiments.md):
+retired them: docs/archive/2026-12-drafting-research.md and docs/experiments.md):
 
 * ``head``: the head's draft alone (the hybrid then equals EAGLE-3; the fallback where no pointer exists).
 * ``lookup``: vLLM's n-gram lookup in the prompt overrides the head where it matches.
