@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import time
 import types
 
 import pytest
@@ -389,6 +390,7 @@ def test_in_vllm_drafts_are_cut_per_request_replies_stay_the_targets_and_steps_a
                                                     for i, r in enumerate(reqs)), 4)
                     return greedy, sampled
             out = asyncio.run(go())
+            time.sleep(steps.EVERY_S + 0.5)  # the engine writes its counters every EVERY_S: the run's last steps too
             return out, steps.read(ep.server.step_stats_path), ep.server.log_path.read_text(errors="replace")
 
     base = DeploymentSpec(name="cartspec", model=str(tiny_llama_dir), enforce_eager=True, max_num_seqs=4)
