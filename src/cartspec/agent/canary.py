@@ -1,7 +1,9 @@
 """Canary: try a candidate draft head on a share of live traffic, then promote it or roll it back.
 
-The candidate is the same target with another head (the main spec with its head
-swapped), so every reply is still the target's: only how many draft tokens it
+The candidate is the same target and the same drafter with another head (the main
+spec with its head swapped, ``wiring.canary_spec``: a hybrid stays a hybrid and
+drafts with the candidate version's own pointer where it keeps one), so the two
+arms compare deployments, and every reply is still the target's: only how many draft tokens it
 accepts, and how fast it answers, can differ. A strategy object fed back with
 what happened, like the acceptance fallback: ``route()`` once per request bound
 for the speculative deployment, ``observe()`` once per answered (or failed)

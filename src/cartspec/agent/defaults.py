@@ -9,14 +9,12 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+# What `serve` drafts with by default (the hybrid) and where it falls back to the head alone:
+# drafting.config's DEFAULT_DRAFT and default_draft, which `draft gate` measures with as well.
+from ..drafting.config import DEFAULT_DRAFT
 from ..drafting.length import METHODS as STOP_METHODS
 from ..serving.spec import DeploymentSpec, Speculative
 
-# What `serve` drafts with by default: the hybrid (EAGLE-3 head plus prompt lookup, with the pointer
-# where one was trained for the served model), which accepts the most tokens per step of the bundled
-# drafters; its throughput against the head alone, with the command and the machine: docs/drafting.md,
-# "The hybrid against the head in throughput".
-DEFAULT_DRAFT = "hybrid"
 DRAFTS = ("eagle3", "hybrid", "schema")
 NO_HEAD_DRAFT = "schema"  # a target without a head: the schema drafter, which needs none
 
@@ -32,7 +30,8 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: 
                  draft_stop: float | None = None) -> DeploymentSpec:
     """The deployment ``serve`` runs: the commerce target; the domain head at γ=``gamma`` when the head is
     there, drafting with ``draft`` (eagle3, or hybrid: the head plus the prompt's copies with the rule
-    ``drafting.config.default_rule`` gives the target; where that is the head alone, eagle3); a target
+    ``drafting.config.default_rule`` gives the target and head; eagle3 where ``drafting.config.default_draft``
+    says that is the head alone); a target
     without a head (``head`` auto and none trained for it), or ``draft`` schema: the schema drafter at
     γ=``gamma`` (drafts from the replies' JSON schema and the prompt); ``head`` none: no speculation. ``pointer``: the hybrid's pointer for this target (default: the bundled one where it was
     trained for it). ``draft_stop``: with eagle3 or hybrid, each request's draft cut where the head's path probability falls
@@ -58,17 +57,16 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: 
     if head == NO_HEAD_DRAFT or draft == NO_HEAD_DRAFT:
         speculative = Speculative(method="schema", num_speculative_tokens=gamma)
     elif head != "none":
-        from ..drafting.config import NEEDS_POINTER, NO_POINTER, HybridConfig, default_rule
+        from ..drafting.config import DEFAULT, NO_POINTER, HybridConfig, default_draft
 
-        resolve_head(head)
-        rule = None
-        if draft == "hybrid":  # the hybrid's default rule for this target (the pointer where one was trained)
-            rule = default_rule(resolve_model(model), pointer)
-            if rule == "head":  # the hybrid would draft as the head alone, at the hybrid's cost: the head alone
-                say(f"{NO_POINTER}; serving the head alone (--draft eagle3)")
-                draft, rule = "eagle3", None
+        head_dir = resolve_head(head)
+        # the hybrid where its default rule for this target and head uses a pointer (given, the head's own or
+        # the one trained for the target); else it would draft as the head alone, at the hybrid's cost
+        if draft == "hybrid" and default_draft(resolve_model(model), head_dir, pointer) != "hybrid":
+            say(f"{NO_POINTER}; serving the head alone (--draft eagle3)")
+            draft = "eagle3"
         # the target's default rule is the spec's default (no hybrid block); a pointer given is written out
-        hybrid = HybridConfig(rule=rule, pointer=pointer) if pointer and rule in NEEDS_POINTER else None
+        hybrid = HybridConfig(rule=DEFAULT.rule, pointer=pointer) if pointer and draft == "hybrid" else None
         speculative = Speculative(method=draft, model=head, num_speculative_tokens=gamma, hybrid=hybrid,
                                   draft_stop=draft_stop)
     # Per-request timing metrics give the trace vLLM's own queue time and TTFT.

@@ -6,7 +6,8 @@ candidate targets, opening each through ``open_endpoint``
 is used as it is); ``apply_flags`` turns on what two targets make possible (the
 router, the acceptance fallback) unless the config file or a flag said
 otherwise. The candidate (a canary, ``canary.py``) is the main spec with its
-head swapped (``canary_spec``), started like the plain target. Each target gets
+head swapped (``canary_spec``; a hybrid keeps its kind and drafts with the
+candidate's own pointer), started like the plain target. Each target gets
 the key its server requires: a URL's from the command line (a key option names
 the variable holding it), a started vLLM's own random one (``VllmServer``).
 What an ``Upstream`` keeps of a spec is its public part (no env, no engine flags).
@@ -18,6 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
+from ..drafting.config import HybridConfig
 from ..serving.spec import DeploymentSpec, Speculative
 from .config import AgentConfig
 from .upstream import Upstream, Upstreams, public_spec
@@ -87,12 +89,46 @@ def candidate_head(ref: str) -> tuple[str, str | None]:
 
 
 def canary_spec(spec: DeploymentSpec, head: str) -> DeploymentSpec:
-    """The same target and engine settings drafting with another head: the only difference a canary should see."""
+    """The same target, engine settings and drafter kind drafting with another head: the only difference a
+    canary should see. A hybrid drafts with the candidate's own pointer (``candidate_pointer``)."""
     sp = spec.speculative
     if sp.method not in ("eagle3", "hybrid") or not sp.model:
         raise ValueError(f"a canary needs a main deployment that drafts with a head (eagle3 or hybrid), not "
                          f"{spec.label}: serve with --head NAME (or a --spec with an EAGLE-3 head)")
-    return spec.model_copy(update={"speculative": sp.model_copy(update={"model": head})})
+    update: dict[str, Any] = {"model": head}
+    if sp.hybrid is not None:
+        update["hybrid"] = candidate_pointer(sp.hybrid, sp.model, head)
+    return spec.model_copy(update={"speculative": sp.model_copy(update=update)})
+
+
+def candidate_pointer(hybrid: HybridConfig, current: str, candidate: str) -> HybridConfig:
+    """The main deployment's hybrid settings for the candidate head: a pointer written out in them (``--pointer``,
+    a spec file) gives way to the one kept in the candidate's directory (``model.registry.head_pointer``, trained
+    with it) and is never the current head's own; left out, ``Speculative.hybrid_config`` resolves the
+    candidate's own pointer, else the one trained for the target."""
+    from dataclasses import replace
+
+    from ..drafting.config import NEEDS_POINTER
+    from ..model.registry import head_pointer
+
+    if hybrid.rule not in NEEDS_POINTER or not hybrid.pointer:
+        return hybrid
+    own, theirs = head_pointer(_head_dir(candidate)), head_pointer(_head_dir(current))
+    if own is not None:
+        return replace(hybrid, pointer=str(own))
+    if theirs is not None and Path(hybrid.pointer).expanduser().resolve() == theirs.resolve():
+        return replace(hybrid, pointer="")  # the current head's own pointer: the candidate's default instead
+    return hybrid
+
+
+def _head_dir(head: str) -> Path | None:
+    """A head's directory, None where it does not resolve (starting the deployment says why)."""
+    from ..model.registry import resolve_head
+
+    try:
+        return resolve_head(head)
+    except Exception:
+        return None
 
 
 def _target(open_endpoint: OpenEndpoint, what: DeploymentSpec | str, served_name: str | None,

@@ -125,11 +125,14 @@ class AcceptanceReport(_Written):
 
 def load_data(data: str, limit: int | None = None, seed: int = 0) -> list[Request]:
     """``train|dev|test`` (generated, seed 0, the sizes ``cartspec data`` writes), ``novel`` (words the
-    model never saw, ``task.novel``), ``handwritten`` (``task.request_sets.HANDWRITTEN``) or a JSONL file."""
-    if data == "handwritten":
-        from ..task.request_sets import HANDWRITTEN
+    model never saw, ``task.novel``), ``handwritten`` (``task.request_sets.HANDWRITTEN``), ``real`` or
+    ``real-traffic`` (real shoppers' queries, ``task.request_sets.REAL``) or a JSONL file."""
+    from ..task.request_sets import HANDWRITTEN, REAL_SETS, real_requests
 
+    if data == "handwritten":
         reqs = read_requests(HANDWRITTEN)
+    elif data in REAL_SETS:
+        reqs = real_requests(data)
     elif data == "novel":
         from ..task.novel import novel_requests
 
@@ -360,9 +363,9 @@ def measure_simulated(target: str, method: str, gamma: int, reqs: Sequence[Reque
         from ..drafting.config import NEEDS_POINTER, NEEDS_SCHEMA, NEEDS_TOKENS, for_target
         from ..drafting.tokens import TokenInfo
 
-        hybrid = for_target(hybrid, model_dir)
-        info = TokenInfo.from_tokenizer(tok) if hybrid.rule in NEEDS_TOKENS else None
         head_dir = resolve_head(head)
+        hybrid = for_target(hybrid, model_dir, head_dir)
+        info = TokenInfo.from_tokenizer(tok) if hybrid.rule in NEEDS_TOKENS else None
         h = load_head(head_dir)
         embed = load_target_weights(model_dir)["embed"].float()
         pointer = None

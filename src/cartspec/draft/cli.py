@@ -136,7 +136,7 @@ def acceptance(
     head: Optional[str] = typer.Option(None, help="generic | domain | NAME[@vN] (a registered head) | PATH "
                                        "(methods eagle3, hybrid)"),
     gamma: int = typer.Option(3, "--gamma", help="γ: draft tokens per verify step"),
-    data: str = typer.Option("test", help="train | dev | test | novel (words in no generator pool) | handwritten (40 requests written by hand) | FILE.jsonl"),
+    data: str = typer.Option("test", help="train | dev | test | novel (words in no generator pool) | handwritten (40 requests written by hand) | real (180 real shoppers' queries, held out) | real-traffic (300 more) | FILE.jsonl"),
     out: Path = typer.Option(..., help="where the JSON goes"),
     simulate: bool = typer.Option(False, "--simulate", help="offline simulator instead of a vLLM deployment"),
     method: str = typer.Option("eagle3", help="eagle3 | ngram | schema (from the reply's JSON schema and the "
@@ -208,7 +208,7 @@ def acceptance(
     hybrid = None
     try:
         if method == "hybrid":
-            hybrid = hybrid_config(lookup_min, lookup_max, rule, scope, head_p, pointer, target=target)
+            hybrid = hybrid_config(lookup_min, lookup_max, rule, scope, head_p, pointer, target=target, head=head)
         elif any(x is not None for x in (lookup_min, lookup_max, rule, scope, pointer, head_p)):
             _fail("settings of --method hybrid only: --lookup-min, --lookup-max, --rule, --scope, --pointer, "
                   "--head-p")

@@ -1,8 +1,9 @@
 """The offline gate: is a candidate head better than the current one on held-out recent traffic?
 
-Both heads are measured in vLLM at the same γ on the same held-out requests (``draft acceptance``'s
-``AcceptanceReport``, with each reply's tokens and per-step accepted counts). Requests are paired by id
-(by position when the requests carry no ids). Per request ``i``::
+Both versions are measured in vLLM with the same drafter (``method``: eagle3, the head alone, or the hybrid,
+each version with its own pointer: the deployed configuration) at the same γ on the same held-out requests
+(``draft acceptance``'s ``AcceptanceReport``, with each reply's tokens and per-step accepted counts). Requests
+are paired by id (by position when the requests carry no ids). Per request ``i``::
 
     τ_i = 1 + accepted_i / steps_i        (steps: verify steps that drafted; accepted: drafts accepted)
     d_i = τ_candidate,i - τ_current,i
@@ -113,7 +114,10 @@ class GateDecision(BaseModel):
     current: str | None = Field(None, description="the current head's ref")
     gamma: int | None = None
     target: str | None = None
-    method: str | None = None
+    method: str | None = Field(None, description="the drafter both sides were measured with: eagle3 | hybrid")
+    pointer_candidate: str | None = Field(None, description="hybrid: the candidate's pointer, its digest "
+                                                            "(pointer_digest) or 'bundled'; None: no pointer")
+    pointer_current: str | None = None
     requests: int = Field(0, description="requests paired by id (or position)")
     n: int = Field(0, description="pairs in which both replies drafted: the figures' sample")
     left_out: int = Field(0, description="paired requests left out: a reply without draft steps on a side")
@@ -358,7 +362,7 @@ Classify = Callable[[Sequence[Request], Sequence[Sequence[int]]], list[list[str]
 
 
 def counts_from_reply(per_step_accepted: Sequence[int] | None, classes: Sequence[str], gamma: int) -> RequestCounts:
-    """Place one reply's accepted counts on its tokens (every EAGLE-3 step drafts γ) and count per class as
+    """Place one reply's accepted counts on its tokens (every EAGLE-3 or hybrid step drafts γ) and count per class as
     ``simulate.summarize`` does: a step reaches its drafts up to and including the first rejected one."""
     from .simulate import steps_from_vllm
 
@@ -401,8 +405,16 @@ def _pair(candidate: AcceptanceReport, current: AcceptanceReport, reqs: Sequence
     return list(rc), list(ru)
 
 
-def check_comparable(candidate: AcceptanceReport, current: AcceptanceReport, gamma: int | None = None) -> None:
-    """Refuse two measurements that are not of the same thing (γ, target, method)."""
+def check_comparable(candidate: AcceptanceReport, current: AcceptanceReport, gamma: int | None = None,
+                     method: str | None = None) -> None:
+    """Refuse two measurements that are not of the same thing (γ, target, method, the hybrid's lookup) or not
+    of the drafter asked (``method``)."""
+    if method is not None:
+        for side, r in (("candidate", candidate), ("current", current)):
+            if r.method != method:
+                raise GateError(f"the {side}'s report was measured with method {r.method!r}, the gate was asked "
+                                f"for {method!r}: measure both versions with `draft acceptance --method {method}` "
+                                "(or gate with the method they were measured with)")
     if candidate.gamma != current.gamma:
         raise GateError(f"measured at different γ: candidate γ={candidate.gamma}, current γ={current.gamma}; "
                         "measure both at the served γ")
@@ -412,6 +424,11 @@ def check_comparable(candidate: AcceptanceReport, current: AcceptanceReport, gam
         raise GateError(f"measured on different targets: {candidate.target} and {current.target}")
     if candidate.method and current.method and candidate.method != current.method:
         raise GateError(f"measured with different methods: {candidate.method} and {current.method}")
+    lookup = ("n_min", "n_max", "scope")
+    hc, hu = candidate.hybrid or {}, current.hybrid or {}
+    if candidate.method == "hybrid" and any(hc.get(k) != hu.get(k) for k in lookup):
+        raise GateError(f"the hybrids were measured with different lookups: candidate "
+                        f"{ {k: hc.get(k) for k in lookup} }, current { {k: hu.get(k) for k in lookup} }")
     for side, r in (("candidate", candidate), ("current", current)):
         if r.temperature not in (None, 0.0):
             raise GateError(f"the {side} was measured at temperature {r.temperature}: the gate compares "
@@ -422,10 +439,12 @@ def gate_reports(candidate: AcceptanceReport, current: AcceptanceReport, reqs: S
                  tokenizer: Any = None, *, classify: Classify | None = None, gamma: int | None = None,
                  candidate_ref: str | None = None, current_ref: str | None = None,
                  min_requests: int = MIN_REQUESTS, min_class_requests: int = MIN_CLASS_REQUESTS,
-                 n_boot: int = N_BOOT, seed: int = 0, held_out: HeldOut | None = None) -> GateDecision:
+                 n_boot: int = N_BOOT, seed: int = 0, held_out: HeldOut | None = None,
+                 method: str | None = None) -> GateDecision:
     """The gate on two ``AcceptanceReport``s of the same requests ``reqs``. Token classes come from
-    ``classify(reqs, outputs)`` (default: ``acceptance.classes_for`` with ``tokenizer``)."""
-    check_comparable(candidate, current, gamma)
+    ``classify(reqs, outputs)`` (default: ``acceptance.classes_for`` with ``tokenizer``). ``method``: the drafter
+    both must have been measured with (eagle3 | hybrid; None: whichever, the same on both sides)."""
+    check_comparable(candidate, current, gamma, method)
     g = candidate.gamma
     if g is None:
         raise GateError("the reports do not say their γ")
@@ -449,7 +468,31 @@ def gate_reports(candidate: AcceptanceReport, current: AcceptanceReport, reqs: S
             cls_u[i] = cl
     counts_c = [counts_from_reply(x.per_step_accepted, cl, g) for x, cl in zip(rc, cls_c)]
     counts_u = [counts_from_reply(x.per_step_accepted, cl, g) for x, cl in zip(ru, cls_u)]
-    return decide(counts_c, counts_u, gamma=g, candidate_ref=candidate_ref, current_ref=current_ref,
-                  target=candidate.target, method=candidate.method, min_requests=min_requests,
-                  min_class_requests=min_class_requests, n_boot=n_boot, seed=seed,
-                  replies_differ=len(diff_ix), held_out=held_out)
+    d = decide(counts_c, counts_u, gamma=g, candidate_ref=candidate_ref, current_ref=current_ref,
+               target=candidate.target, method=candidate.method, min_requests=min_requests,
+               min_class_requests=min_class_requests, n_boot=n_boot, seed=seed,
+               replies_differ=len(diff_ix), held_out=held_out)
+    d.pointer_candidate, d.pointer_current = report_pointer(candidate), report_pointer(current)
+    return d
+
+
+def pointer_digest(pointer_dir: str | Path) -> str:
+    """What a pointer is, for the decision: ``bundled`` (the pointer shipped with cartspec), else the first 12
+    hex digits of its files' digest (config.json, pointer.safetensors), the same wherever the directory lies."""
+    from ..model.registry import BUNDLED_POINTER, POINTERS_DIR
+    from ..paths import dir_digest
+
+    path = Path(pointer_dir).expanduser()
+    if path.resolve() == (POINTERS_DIR / BUNDLED_POINTER).resolve():
+        return "bundled"
+    files = ("config.json", "pointer.safetensors")
+    if not all((path / f).is_file() for f in files):
+        return f"{path} (no longer there)"
+    return dir_digest(path, only=files)[:12]
+
+
+def report_pointer(report: AcceptanceReport) -> str | None:
+    """The pointer a hybrid report drafted with (``pointer_digest``); None for another method or a hybrid
+    without one (rule head: the head alone)."""
+    pointer = (report.hybrid or {}).get("pointer") if report.method == "hybrid" else None
+    return pointer_digest(pointer) if pointer else None

@@ -3,9 +3,11 @@
 The held-out requests are the most recent share of the recorded traffic (deduplicated), less any request
 the candidate may have trained on: when its provenance records its training window
 (``provenance["data_window"]["until"]``), records at or before that time, and later records of the same
-request, are left out. Both heads are measured one after the other in vLLM at γ (``measure_vllm``, T=0);
-each report is written beside the candidate version as soon as it is measured (a rerun with the same
-requests, γ, target and heads reuses it). The decision (``draft.gate``) goes to the version's gate.json
+request, are left out. Both versions are measured one after the other in vLLM at γ (``measure_vllm``, T=0)
+with the drafter ``serve`` deploys (``--method``; default ``gate_method``: the hybrid, each version with its
+own pointer, where one is trained for the target or kept with a version); each report is written beside the
+candidate version as soon as it is measured (a rerun with the same requests, method, γ, target, heads and
+pointers reuses it). The decision (``draft.gate``) goes to the version's gate.json
 (``HeadRegistry.write_gate``) and to ``--out``. The command exits 0 whatever the decision: the decision is
 its output.
 """
@@ -26,6 +28,9 @@ if not console.is_terminal:  # a log file or pipe gets whole lines and tables, n
 out_console = Console()
 if not out_console.is_terminal:
     out_console = Console(width=170)
+
+
+GATE_METHODS = ("eagle3", "hybrid")  # the drafters with a head that `serve` deploys
 
 
 def _fail(msg: str, code: int = 2) -> None:
@@ -109,8 +114,10 @@ def describe_held_out(h: Any) -> str:
     return s + (f" ({h.note})" if h.note else "")
 
 
-def _reusable(path: Path, ids: list, gamma: int, target_dir: Path, head_dir: Path, max_tokens: int) -> Any:
-    """A report written by an earlier run of the same measurement, else None."""
+def _reusable(path: Path, ids: list, gamma: int, target_dir: Path, head_dir: Path, max_tokens: int,
+              method: str = "eagle3") -> Any:
+    """A report written by an earlier run of the same measurement (for a hybrid: with the settings and pointer
+    the version deploys now), else None."""
     from .acceptance import AcceptanceReport
 
     if not path.exists():
@@ -119,10 +126,31 @@ def _reusable(path: Path, ids: list, gamma: int, target_dir: Path, head_dir: Pat
         rep = AcceptanceReport.load(path)
     except ValueError:
         return None
-    same = (rep.mode == "vllm" and rep.method == "eagle3" and rep.gamma == gamma and rep.max_tokens == max_tokens
+    same = (rep.mode == "vllm" and rep.method == method and rep.gamma == gamma and rep.max_tokens == max_tokens
+            and (method != "hybrid" or rep.hybrid == _deployed_hybrid(target_dir, head_dir, gamma))
             and rep.target == str(target_dir) and rep.head == str(head_dir) and rep.replies is not None
             and [x.id for x in rep.replies] == ids and not rep.requests_without_step_metrics)
     return rep if same else None
+
+
+def _deployed_hybrid(target_dir: Path, head_dir: Path, gamma: int) -> dict[str, Any] | None:
+    """The hybrid's settings a deployment of this head runs (its own pointer, else the target's default), as
+    ``measure_vllm`` records them."""
+    from ..serving.spec import Speculative
+
+    sp = Speculative(method="hybrid", model=str(head_dir), num_speculative_tokens=gamma)
+    cfg = sp.hybrid_config(str(target_dir))
+    return cfg.__dict__ if cfg is not None else None
+
+
+def gate_method(target_dir: Path, head_dirs: list[Path]) -> str:
+    """The drafter the gate measures with when none is asked: the hybrid where ``serve --head NAME`` deploys it
+    (``drafting.config.default_draft``) for either version (the current one now, the candidate once promoted),
+    else eagle3. A hybrid without a pointer drafts as the head alone, so each side is measured as it would be
+    deployed."""
+    from ..drafting.config import default_draft
+
+    return "hybrid" if any(default_draft(target_dir, d) == "hybrid" for d in head_dirs) else "eagle3"
 
 
 def print_decision(d: Any) -> None:
@@ -134,7 +162,10 @@ def print_decision(d: Any) -> None:
     def iv(lo: float | None, hi: float | None) -> str:
         return "—" if lo is None or hi is None else f"[{lo:+.3f}, {hi:+.3f}]"
 
-    t = Table(title=f"gate: {d.candidate} vs {d.current} at γ={d.gamma}, {d.n} paired requests")
+    drafter = d.method or "—"
+    if d.method == "hybrid":
+        drafter += f" (pointers: candidate {d.pointer_candidate or 'none'}, current {d.pointer_current or 'none'})"
+    t = Table(title=f"gate: {d.candidate} vs {d.current}, {drafter} at γ={d.gamma}, {d.n} paired requests")
     for col in ("", "candidate", "current", "diff", "95% bootstrap", "95% t", "verdict"):
         t.add_column(col, justify="left" if col in ("", "verdict") else "right")
     tau_verdict = "—" if d.ci_low is None else ("above 0" if d.ci_low > 0 else "not above 0")
@@ -161,6 +192,10 @@ def gate(
     traffic: Path = typer.Option(..., "--traffic", help="the directory `serve --record-traffic` wrote (or one "
                                                         "traffic-*.jsonl file)"),
     gamma: int = typer.Option(3, "--gamma", help="γ: the served draft tokens per verify step"),
+    method: Optional[str] = typer.Option(None, "--method", help="eagle3 (the head alone) | hybrid (the head and "
+                                         "each version's own pointer); default: what `serve --head NAME` deploys "
+                                         "for --target, the hybrid where a pointer is trained for it or kept "
+                                         "with a version"),
     held_out: float = typer.Option(0.2, "--held-out", help="the most recent share of the deduplicated traffic "
                                                             "to measure on"),
     limit: Optional[int] = typer.Option(None, help="the N most recent held-out requests only"),
@@ -175,11 +210,12 @@ def gate(
     dtype: str = dtype_option(),
     force: bool = force_option("measure a head"),
 ) -> None:
-    """Is the candidate version better than the current one on held-out recent traffic? τ at γ per request
-    (paired 95% interval), and no token class worse beyond its interval. Exits 0 whatever the decision."""
+    """Is the candidate version better than the current one on held-out recent traffic, both deployed as
+    `serve` deploys them? τ at γ per request (paired 95% interval), and no token class worse beyond its
+    interval. Exits 0 whatever the decision."""
     from ..model.convert import ModelNotFound
     from ..model.heads import HeadRegistry, HeadRegistryError
-    from ..model.registry import resolve_head, resolve_model
+    from ..model.registry import head_pointer, resolve_head, resolve_model
     from ..serving.endpoint import EndpointError
     from ..serving.server import DeploymentError
     from . import acceptance
@@ -192,6 +228,9 @@ def gate(
         _fail("--limit must be at least 1")
     if gamma < 1:
         _fail("--gamma must be at least 1")
+    if method is not None and method not in GATE_METHODS:
+        _fail(f"--method must be {' or '.join(GATE_METHODS)}, not {method!r}")
+    asked = method is not None
     if min_requests < 2:
         _fail("--min-requests must be at least 2: an interval needs two pairs")
     if n_boot < 100:
@@ -229,7 +268,7 @@ def gate(
 
     if len(reqs) < min_requests:
         d = decide([], [], gamma=gamma, candidate_ref=cand.ref, current_ref=cur.ref, min_requests=min_requests,
-                   seed=seed, n_boot=n_boot, held_out=info)
+                   seed=seed, n_boot=n_boot, held_out=info, method=method)
         d.reasons = [f"only {len(reqs)} held-out requests, fewer than the {min_requests} needed (min_requests): not "
                      "measured; record more traffic or hold out a larger share (--held-out)"]
         _write(reg, cand, d, out)
@@ -237,28 +276,34 @@ def gate(
 
     try:
         target_dir = resolve_model(target)
-        for ref in (cand.ref, cur.ref):  # a head trained for another target: refuse (or --force)
-            check_drafters(ref, target, force=force, warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
         heads = {"candidate": (cand, resolve_head(cand.ref)), "current": (cur, resolve_head(cur.ref))}
+        method = method or gate_method(target_dir, [d_ for _, d_ in heads.values()])
+        for v, head_dir in heads.values():  # a head (or its own pointer) trained for another target: refuse
+            own = head_pointer(head_dir) if method == "hybrid" else None
+            check_drafters(v.ref, target, str(own) if own else None, force=force,
+                           warn=lambda m: console.print(f"[bold yellow]{m}[/]"))
     except (ModelNotFound, DraftPipelineError) as exc:
         _fail(str(exc))
+    console.print(f"drafter: {method}" + (" (--method)" if asked else ", what `serve` deploys for this target "
+                                          "(--method to choose)"), highlight=False)
 
     ids = [r.id for r in reqs]
     reports: dict[str, Any] = {}
     paths: dict[str, str] = {}
     for side, (v, head_dir) in heads.items():
-        path = cand.path / f"gate-acceptance-{v.version}.json"
+        path = cand.path / f"gate-acceptance-{v.version}{'' if method == 'eagle3' else '-' + method}.json"
         paths[side] = str(path)
-        rep = _reusable(path, ids, gamma, target_dir, head_dir, max_tokens)
+        rep = _reusable(path, ids, gamma, target_dir, head_dir, max_tokens, method)
         if rep is not None:
-            console.print(f"{side} {v.ref}: reusing {path} (same requests, γ, target and head)")
+            console.print(f"{side} {v.ref}: reusing {path} (same requests, method, γ, target, head and pointer)")
             reports[side] = rep
             continue
-        console.print(f"measuring the {side} {v.ref} in vLLM: eagle3 γ={gamma}, {len(reqs)} requests")
+        console.print(f"measuring the {side} {v.ref} in vLLM: {method} γ={gamma}, {len(reqs)} requests")
         with _progress() as pg:
             task = pg.add_task(f"{side} {v.ref}", total=len(reqs), info="vLLM")
             try:
-                res = acceptance.measure_vllm(target, "eagle3", gamma, reqs, head=v.ref, concurrency=concurrency,
+                # the hybrid's settings left to the deployment's default: the version's own pointer
+                res = acceptance.measure_vllm(target, method, gamma, reqs, head=v.ref, concurrency=concurrency,
                                               max_tokens=max_tokens, log=console.print, enforce_eager=enforce_eager,
                                               on_done=lambda d_, t_: pg.update(task, completed=d_, total=t_),
                                               dtype=dtype)
@@ -276,7 +321,8 @@ def gate(
     tok = AutoTokenizer.from_pretrained(target_dir)
     try:
         d = gate_reports(reports["candidate"], reports["current"], reqs, tok, gamma=gamma, candidate_ref=cand.ref,
-                         current_ref=cur.ref, min_requests=min_requests, n_boot=n_boot, seed=seed, held_out=info)
+                         current_ref=cur.ref, min_requests=min_requests, n_boot=n_boot, seed=seed, held_out=info,
+                         method=method)
     except GateError as exc:
         _fail(str(exc))
     d.reports = paths

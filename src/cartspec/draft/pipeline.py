@@ -473,22 +473,25 @@ def build_pointer(cfg: PointerTrainingConfig, *, log: Log = _noop) -> PointerTra
 
 def hybrid_config(lookup_min: int | None = None, lookup_max: int | None = None, rule: str | None = None,
                   scope: str | None = None, head_p: float | None = None, pointer: str | None = None,
-                  target: str | None = None) -> Any:
+                  target: str | None = None, head: str | None = None) -> Any:
     """The hybrid's ``HybridConfig`` from ``draft acceptance``'s settings (None: the default's; the rule: the
     default for ``target``, ``drafting.config.default_rule``, as ``serve`` deploys), its pointer resolved where
-    the rule is ``pointer``. Raises DraftPipelineError for a setting it refuses."""
+    the rule is ``pointer``: without ``pointer``, the one kept in ``head``'s directory where it has one (a
+    refreshed version's), else the bundled one. Raises DraftPipelineError for a setting it refuses."""
     from ..drafting.config import DEFAULT, NEEDS_POINTER, HybridConfig, default_rule, for_target
     from ..model.convert import ModelNotFound
-    from ..model.registry import resolve_model
+    from ..model.registry import head_pointer, resolve_head, resolve_model
 
     try:
+        head_dir = resolve_head(head) if head else None
         if rule is None:
-            rule = default_rule(resolve_model(target) if target else None, pointer)
+            own = head_pointer(head_dir)
+            rule = default_rule(resolve_model(target) if target else None, pointer or (str(own) if own else None))
         if pointer and rule not in NEEDS_POINTER:
             raise DraftPipelineError(f"--pointer is a setting of --rule {' or '.join(NEEDS_POINTER)}")
         return for_target(HybridConfig(n_min=lookup_min or DEFAULT.n_min, n_max=lookup_max or DEFAULT.n_max,
                                        rule=rule, scope=scope or DEFAULT.scope, pointer=pointer or "",
-                                       head_p=head_p), None)
+                                       head_p=head_p), None, head_dir)
     except (ValueError, ModelNotFound) as exc:
         raise DraftPipelineError(str(exc)) from exc
 

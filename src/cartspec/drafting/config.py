@@ -7,8 +7,8 @@ and every acceptance report and study point records the settings it ran. The def
 drafted below the head alone on requests no generator wrote (docs/drafting.md, "Hybrid drafts"). Rule
 ``pointer-schema`` drafted more on requests no generator wrote (novel set in vLLM at f81e7b5: τ 3.41, copied
 values 81%, against 3.31 and 72%) but its grammar check cost 10 ms a step at six requests in the engine, more
-than its τ gain bought on the commerce traffic (docs/drafting.md), so it is not the default; since rule
-``pointer`` copies a number's and a word's rest (11026e5) it reaches τ 3.40 and 81% there itself.
+than its τ gain bought on the commerce traffic (docs/archive/2026-12-drafting-research.md), so it is not the
+default; since rule ``pointer`` copies a number's and a word's rest (11026e5) it reaches τ 3.40 and 81% there itself.
 """
 
 from __future__ import annotations
@@ -100,13 +100,36 @@ def default_rule(model_dir: Path | str | None, pointer: str | None = None) -> st
     return DEFAULT.rule if matching_bundled_pointer(Path(model_dir)) else "head"
 
 
-def for_target(cfg: HybridConfig | None, model_dir: Path | str | None) -> HybridConfig:
-    """``cfg``, or the target's default where None (``default_rule``), with the pointer resolved to its
-    directory where the rule is ``pointer`` (``""``: the bundled one). What a deployment, the simulator and
-    ``draft acceptance`` run. Raises ``ModelNotFound`` for a pointer that is not there."""
-    cfg = cfg if cfg is not None else HybridConfig(rule=default_rule(model_dir))
-    if cfg.rule in NEEDS_POINTER:
-        from ..model.registry import resolve_pointer
+# What `serve` drafts with by default: the hybrid (EAGLE-3 head plus prompt lookup, with the pointer where one
+# was trained for the served model or with the head), which accepts the most tokens per step of the bundled
+# drafters; its throughput against the head alone, with the command and the machine: docs/drafting.md,
+# "The hybrid against the head in throughput".
+DEFAULT_DRAFT = "hybrid"
 
-        cfg = replace(cfg, pointer=str(resolve_pointer(cfg.pointer or None)))
+
+def default_draft(model_dir: Path | str | None, head_dir: Path | str | None = None,
+                  pointer: str | None = None) -> str:
+    """The drafter ``serve`` deploys with a head when none is asked: ``DEFAULT_DRAFT`` (``hybrid``) where its
+    rule for this target (``default_rule``, with ``pointer``, else the head's own, else the bundled one) uses
+    a pointer, else ``eagle3``: a hybrid without a pointer drafts as the head alone, at the hybrid's cost
+    (``NO_POINTER``). ``serve`` (``agent.defaults.default_spec``) and ``draft gate`` both decide here."""
+    from ..model.registry import head_pointer
+
+    own = head_pointer(head_dir)
+    return "eagle3" if default_rule(model_dir, pointer or (str(own) if own else None)) == "head" else DEFAULT_DRAFT
+
+
+def for_target(cfg: HybridConfig | None, model_dir: Path | str | None,
+               head_dir: Path | str | None = None) -> HybridConfig:
+    """``cfg``, or the target's default where None (``default_rule``), with the pointer resolved to its
+    directory where the rule is ``pointer``: ``""`` is the pointer kept in the head's own directory
+    (``model.registry.head_pointer``: a refreshed version's, trained with its head) where ``head_dir`` has
+    one, else the bundled one. What a deployment, the simulator and ``draft acceptance`` run. Raises
+    ``ModelNotFound`` for a pointer that is not there."""
+    from ..model.registry import head_pointer, resolve_pointer
+
+    own = head_pointer(head_dir)
+    cfg = cfg if cfg is not None else HybridConfig(rule=default_rule(model_dir, str(own) if own else None))
+    if cfg.rule in NEEDS_POINTER:
+        cfg = replace(cfg, pointer=str(resolve_pointer(cfg.pointer or (str(own) if own else None))))
     return cfg

@@ -177,8 +177,10 @@ def list_(name: Optional[str] = typer.Argument(None, help="one registry (default
 
 @heads_app.command("show")
 def show(ref: str = typer.Argument(..., help="NAME (its current version) or NAME@vN")) -> None:
-    """One version: metadata, provenance, the gate's decision and the registry events about it."""
+    """One version: metadata (its own pointer's digest where it keeps one), provenance, the gate's decision and
+    the registry events about it."""
     from .heads import HeadRegistryError, parse_ref
+    from .registry import head_pointer, pointer_digest
 
     try:
         name, version = parse_ref(ref)
@@ -192,8 +194,10 @@ def show(ref: str = typer.Argument(..., help="NAME (its current version) or NAME
     if v is None:
         _fail(f"the head registry {name!r} has no current version: see `cartspec heads list {name}`")
     out.print(f"[bold]{v.ref}[/] {v.status}")
+    own = head_pointer(v.path)  # a refreshed version's pointer, trained with its head
     meta = {"path": str(v.path), "created": _when(v.created), "parent": v.parent, "target_digest": v.target_digest,
-            "target_name": v.target_name}
+            "target_name": v.target_name,
+            "pointer": f"{own} (digest {pointer_digest(own)})" if own else "none of its own (hybrid: the bundled one)"}
     for k, x in meta.items():
         out.print(f"  {k}: {x if x is not None else '-'}")
     out.print("[bold]provenance[/]")

@@ -273,6 +273,24 @@ def resolve_pointer(name: str | None) -> Path:
     return path
 
 
+HEAD_POINTER = "pointer"  # a head directory's own pointer, trained with it (``draft refresh``): HEAD/pointer/
+
+
+def head_pointer(head_dir: Path | str | None) -> Path | None:
+    """The pointer kept in a head's directory (``HEAD_POINTER``), trained with that head as one version of the
+    deployed drafter; None where the head has none (the bundled heads, a head from ``draft train``)."""
+    if head_dir is None:
+        return None
+    path = Path(head_dir) / HEAD_POINTER
+    return path if (path / "pointer.safetensors").is_file() and (path / "config.json").is_file() else None
+
+
+def pointer_digest(pointer_dir: Path) -> str:
+    """A pointer's digest (its config and weights), as an export and a head version's provenance record it."""
+    only = [n for n in ("config.json", "pointer.safetensors") if (Path(pointer_dir) / n).is_file()]
+    return dir_digest(Path(pointer_dir), only=only)
+
+
 def matching_bundled_pointer(model_dir: Path) -> str | None:
     """The bundled pointer's name where it was trained for this very model, else None."""
     path = POINTERS_DIR / BUNDLED_POINTER

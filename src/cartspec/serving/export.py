@@ -335,7 +335,8 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
     ``default_image``). Raises ``ExportRefused`` for an adaptive spec not tuned yet and a spec that carries a
     key, ``HeadMismatch`` for a head or pointer trained for another target unless ``force``, and ValueError for
     a bad ``api_key_env``."""
-    from ..model.registry import check_head, head_target, resolve_head, resolve_model, target_digest
+    from ..model.registry import (check_head, head_target, pointer_digest, resolve_head, resolve_model,
+                                  target_digest)
     from .server import VllmServer
 
     sp = spec.speculative
@@ -368,7 +369,7 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
             pointer_dir = Path(cfg.pointer).resolve()
             fits = check_head(pointer_dir, model_dir, force=force, warn=caveats.append, what="pointer")
             pointer = Artifact(name=_public_name(pointer_name or pointer_dir.name), mount=POINTER_MOUNT,
-                               digest=_pointer_digest(pointer_dir), fits=fits, size_gib=_sized(pointer_dir),
+                               digest=pointer_digest(pointer_dir), fits=fits, size_gib=_sized(pointer_dir),
                                trained_for=(head_target(pointer_dir) or {}).get("digest"))
             sources[POINTER_MOUNT] = str(pointer_dir)
     if sp.method == "suffix":
@@ -438,12 +439,6 @@ def _named(spec: DeploymentSpec, model: Artifact, head: Artifact | None, pointer
     if sp.reply_schema:
         update["reply_schema"] = _public_name(sp.reply_schema)
     return spec.model_copy(update={"model": model.name, "speculative": sp.model_copy(update=update)})
-
-
-def _pointer_digest(pointer: Path) -> str:
-    from ..paths import dir_digest
-
-    return dir_digest(pointer, only=[n for n in ("config.json", "pointer.safetensors") if (pointer / n).is_file()])
 
 
 def local_image(device: Device) -> str:

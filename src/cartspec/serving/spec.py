@@ -180,8 +180,14 @@ class Speculative(BaseModel):
         if self.method != "hybrid":
             return None
         from ..drafting.config import for_target
+        from ..model.convert import ModelNotFound
+        from ..model.registry import resolve_head
 
-        return for_target(self.hybrid, model_dir)
+        try:  # a head that keeps its own pointer (a refreshed version) drafts with it
+            head_dir = resolve_head(self.model) if self.model else None
+        except (ModelNotFound, FileNotFoundError):
+            head_dir = None  # starting the deployment reports the missing head
+        return for_target(self.hybrid, model_dir, head_dir)
 
     def additional_config(self, model_dir: str | None = None) -> dict[str, Any]:
         """What vLLM's ``--additional-config`` (the settings vLLM keeps for plugins) carries for this method: the
