@@ -265,7 +265,8 @@ def test_refresh_registers_a_candidate_with_its_provenance(tmp_path, home, tiny_
     assert p["data_window"]["until"] == 1031.0 and p["held_out"] == {"since": 1032.0, "until": 1039.0, "share": 0.2,
                                                                      "n": 8}
     assert p["replies"]["as_is"] == 26 and p["replies"]["regenerated"] == 6  # r4, r9, ..., r29 sampled
-    assert len(fake_vllm.calls) == 1 and len(fake_vllm.calls[0]["prompts"]) == 6
+    # one vLLM run regenerates the sampled replies of both sides: 6 training ones, r34 and r39 held out
+    assert len(fake_vllm.calls) == 1 and len(fake_vllm.calls[0]["prompts"]) == 8
     v = p["vocab"]
     assert v["parent_size"] == 256 and v["added"] > 0 and v["size"] == 256 + v["added"]
     assert v["train_outside_parent"] > 0 and v["train_outside_new"] < v["train_outside_parent"]

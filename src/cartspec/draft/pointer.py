@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 # Pointer and PointerConfig: its callers import them from here too
-from ..drafting.pointer import (FLAGS, N_SLOTS, NUMBER, Pointer, PointerConfig, PointerNet,  # noqa: F401
-                                candidates, continuation, number_candidates, number_text, save, value_key)
+from ..drafting.pointer import (FLAGS, N_SLOTS, NUMBER, NUMBER_PREFIX, Pointer, PointerConfig,  # noqa: F401
+                                PointerNet, candidates, continuation, number_candidates, number_text, save,
+                                value_key)
 from ..drafting.tokens import SPECIAL_TEXT, number_open, value_open
 
 # --- training -------------------------------------------------------------------------------------
@@ -85,39 +86,70 @@ def _batch(ex: Sequence[Example]) -> tuple[torch.Tensor, ...]:
     return tokens, flags, mask, keys, quote, pos
 
 
+def initial_nets(init: Path | None, embed_dim: int,
+                 target: dict[str, Any] | None) -> tuple[PointerConfig, PointerNet, PointerNet | None]:
+    """The nets training starts from: a trained pointer's (``init``: its weights and settings, its number net
+    where it has one; a warm start), else random ones. The config records ``target``. Raises ValueError for a
+    pointer trained for another hidden size than ``embed_dim``."""
+    if init is None:
+        cfg = PointerConfig(embed_dim=embed_dim, cartspec={"target": target or {}})
+        return cfg, PointerNet(cfg), None
+    from safetensors.torch import load_file
+
+    init = Path(init)
+    conf = json.loads((init / "config.json").read_text())
+    cfg = PointerConfig(**{**conf, "cartspec": {"target": target or {}}, "log": {}})
+    if cfg.embed_dim != embed_dim:
+        raise ValueError(f"the pointer in {init} was trained for a hidden size of {cfg.embed_dim}; the target's "
+                         f"embedding has {embed_dim}")
+    state = load_file(str(init / "pointer.safetensors"))
+    net = PointerNet(cfg)
+    net.load_state_dict({k: v for k, v in state.items() if not k.startswith(NUMBER_PREFIX)})
+    number = {k[len(NUMBER_PREFIX):]: v for k, v in state.items() if k.startswith(NUMBER_PREFIX)}
+    number_net = None
+    if number:
+        number_net = PointerNet(cfg)
+        number_net.load_state_dict(number)
+    return cfg, net, number_net
+
+
 def train_pointer(model_dir: Path, sequences: Sequence[tuple[Sequence[int], int]], info: Any, out: Path,
                   epochs: int = 20, lr: float = 3e-3, batch: int = 64, seed: int = 0,
                   dev: Sequence[tuple[Sequence[int], int]] = (), target: dict[str, Any] | None = None,
-                  log: Callable[[str], None] = print) -> dict[str, Any]:
+                  init: Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train on ``sequences`` (prompt + reply token ids, prompt length), check on ``dev``, save to ``out``
     (``target``: what the config records of the model trained for). Two nets of one shape: one on the string
     values' starts, then one on the number values' (``Pointer``'s ``numbers``; none where the replies have
-    no number value)."""
+    no number value and ``init`` has none). ``init``: a pointer directory to start from (``initial_nets``; its
+    accuracy on ``dev`` before training is the log's ``start``); 0 ``epochs`` keeps its weights as they are."""
     from ..model.weights import load_target_weights
 
     t0 = time.perf_counter()
     torch.manual_seed(seed)
     embed = load_target_weights(Path(model_dir))["embed"].float()
-    cfg = PointerConfig(embed_dim=int(embed.shape[1]), cartspec={"target": target or {}})
-    net = PointerNet(cfg)
+    cfg, net, number_net = initial_nets(init, int(embed.shape[1]), target)
     ex = examples(sequences, info)
     dev_ex = examples(dev, info) if dev else []
     strings, numbers = [e for e in ex if not e.number], [e for e in ex if e.number]
     log(f"pointer: {len(strings)} string value starts to learn from ({sum(e.positive != [0] for e in strings)} "
         f"copied), {len(numbers)} number value starts ({sum(e.positive != [0] for e in numbers)} copied); "
         f"{len(dev_ex)} to check")
-    hist = _fit(net, embed, strings, [e for e in dev_ex if not e.number], epochs, lr, batch, seed,
+    dev_strings, dev_numbers = [e for e in dev_ex if not e.number], [e for e in dev_ex if e.number]
+    start = ({**accuracy(net, embed, dev_strings),
+              **(accuracy(number_net, embed, dev_numbers) if number_net is not None else {})}
+             if init is not None else {})
+    hist = _fit(net, embed, strings, dev_strings, epochs, lr, batch, seed,
                 lambda row: log("pointer: " + " ".join(f"{k}={v}" for k, v in row.items())))
-    number_net, number_hist = None, []
+    number_hist: list[dict[str, Any]] = []
     if any(e.positive != [0] for e in numbers):
-        number_net = PointerNet(cfg)
+        number_net = number_net if number_net is not None else PointerNet(cfg)
         number_hist = _fit(number_net, embed, numbers, [e for e in dev_ex if e.number], epochs, lr, batch, seed,
                            lambda row: log("pointer, numbers: " + " ".join(f"{k}={v}" for k, v in row.items())))
     cfg.log = {"examples": len(strings), "copied": sum(e.positive != [0] for e in strings),
                "dev_examples": sum(not e.number for e in dev_ex), "epochs": hist,
                "numbers": {"examples": len(numbers), "copied": sum(e.positive != [0] for e in numbers),
                            "dev_examples": sum(e.number for e in dev_ex), "epochs": number_hist},
-               "seconds": round(time.perf_counter() - t0, 1)}
+               "start": start, "seconds": round(time.perf_counter() - t0, 1)}
     save(net, cfg, out, number_net)
     return cfg.log
 

@@ -13,13 +13,20 @@ the offline gate measures candidates on it. The replies of the rest are the serv
   with vLLM offline (``features.vllm_generate``), as ``--regenerate all`` does for every record.
 
 Features are captured with the same ``extract`` as ``cartspec draft train`` and cached by content (the
-target's weights, every prompt and reply, the aux layers), so a rerun reuses them. Training starts from the
-registry's current version (``--init current``: its weights, its draft vocabulary widened by the traffic's
-frequent reply tokens it lacks) or from scratch (``--init fresh``), resumes from its checkpoint after a
+target's weights, every prompt and reply, the aux layers), so a rerun reuses them; the held-out records'
+replies are made and captured the same way. Training starts from the registry's current version (``--init
+current``: its weights, its draft vocabulary widened by every training reply token it lacks, copied values
+included) or from scratch (``--init fresh``), for a budget of optimiser steps that grows with the traffic
+(``budget.default_budget``), stopping early when the head's simulated τ on the held-out records stops
+improving (``budget.EarlyStop``; the best head measured is kept). It resumes from its checkpoint after a
 crash, and the head is registered as a candidate version with its provenance (target and adapter digests,
 data and held-out windows, parent, vocabulary figures, the command, seconds per phase) in the version's
 ``version.json`` and ``PROVENANCE.md``. Under ``torchrun`` rank 0 prepares the features while the other
 ranks wait at a barrier, every rank trains, rank 0 registers.
+
+The hybrid's pointer is trained on the same sequences (``refresh_pointer``, unless ``--no-pointer``), from the
+parent's own pointer, else the bundled one where it was trained for the target, else random weights, and kept
+in the version's ``pointer/``: head and pointer are one version of the deployed drafter.
 
 Heavy imports (torch, transformers) stay inside the functions: the CLI imports this module for its
 defaults, and ``--help`` must stay instant.
@@ -28,6 +35,7 @@ defaults, and ``--help`` must stay instant.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -35,11 +43,16 @@ from typing import Any, Callable, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .budget import MIN_DELTA, PATIENCE, default_budget, default_eval_every
 from .pipeline import DraftPipelineError, Log, ProgressLike, Quiet, _noop
 
 MIN_RECORDS = 20  # distinct requests needed to refresh a head at all
-WARM = {"epochs": 2.0, "lr": 5e-4}  # a warm start only adapts a trained head: fewer steps, a gentler rate
-FRESH = {"epochs": 3.0, "lr": 1e-3}
+WARM = {"lr": 5e-4}  # a warm start only adapts a trained head: a gentler rate
+FRESH = {"lr": 1e-3}
+EVAL_GAMMA = 3  # draft length of the held-out τ that early stopping reads (simulated chain drafting)
+# the hybrid's pointer, trained on the same traffic: a warm start adapts the parent's; fresh: `draft pointer`'s
+POINTER_WARM = {"epochs": 3, "lr": 1e-3}
+POINTER_FRESH = {"epochs": 8, "lr": 3e-3}
 
 
 class RefreshError(DraftPipelineError):
@@ -58,11 +71,15 @@ class RefreshConfig(BaseModel):
     init: Literal["current", "fresh"] = "current"
     held_out: float = Field(0.2, ge=0.0, lt=1.0)  # most recent share by time, never trained on
     regenerate: Literal["sampled", "all"] = "sampled"
-    widen: Optional[int] = Field(None, ge=0)  # added draft tokens; None: every reply token seen >= min_count times
-    min_count: int = Field(2, ge=1)
+    # added draft tokens; None: every training reply token the draft vocabulary lacks seen >= min_count times
+    widen: Optional[int] = Field(None, ge=0)
+    min_count: int = Field(1, ge=1)  # 1: a value copied from one shopper's request is added too
     draft_vocab: int = 8192  # --init fresh only
-    epochs: Optional[float] = None  # default: WARM / FRESH
-    steps: Optional[int] = None  # overrides epochs
+    steps: Optional[int] = Field(None, ge=0)  # the budget in optimiser steps; default: budget.default_budget
+    epochs: Optional[float] = Field(None, gt=0)  # instead of --steps: a budget of this many passes over the data
+    eval_every: Optional[int] = Field(None, ge=0)  # held-out τ every N steps; default: budget-derived; 0: never
+    patience: int = Field(PATIENCE, ge=0)  # stop after this many evaluations without improvement; 0: never
+    min_delta: float = Field(MIN_DELTA, ge=0.0)  # an improvement: τ up by more than this
     lr: Optional[float] = None  # default: WARM / FRESH
     ttt_steps: int = 5
     batch_tokens: int = 2048
@@ -75,10 +92,20 @@ class RefreshConfig(BaseModel):
     device: str = "auto"
     fsdp: bool = False
     force: bool = False  # refresh although the head or the traffic is pinned to another target
+    pointer: bool = True  # train the hybrid's pointer too, kept in the version's pointer/ (False: none of its own)
+    pointer_epochs: Optional[int] = Field(None, ge=0)  # default: POINTER_WARM / POINTER_FRESH
 
-    @property
-    def epochs_or_default(self) -> float:
-        return self.epochs if self.epochs is not None else (WARM if self.init == "current" else FRESH)["epochs"]
+    def budget(self, n_train: int, steps_per_epoch: int) -> tuple[int, str]:
+        """The optimiser steps to train for (at most: early stopping may end sooner) and where the number comes
+        from: --steps, else --epochs passes of ``steps_per_epoch``, else ``default_budget(n_train)``."""
+        if self.steps is not None:
+            return self.steps, "--steps"
+        if self.epochs is not None:
+            return max(1, math.ceil(self.epochs * steps_per_epoch)), f"--epochs {self.epochs:g}"
+        return default_budget(n_train, self.init), f"default for {n_train} training records"
+
+    def eval_every_for(self, budget: int) -> int:
+        return self.eval_every if self.eval_every is not None else default_eval_every(budget)
 
     @property
     def lr_or_default(self) -> float:
@@ -336,6 +363,82 @@ def outside(tokens: Sequence[int], vocab: set[int]) -> int:
     return sum(1 for t in tokens if t not in vocab)
 
 
+def held_out_tau(held: Any, gamma: int = EVAL_GAMMA) -> Callable[[Any, Any], float]:
+    """The score early stopping reads: a head's simulated τ (``simulate.simulate``, chain drafting at ``gamma``)
+    on the held-out records' features ``held`` (a FeatureSet), given the target's embedding; 1.0 (one token per
+    step) where nothing was drafted."""
+    from .simulate import simulate
+
+    def tau(head: Any, embed: Any) -> float:
+        summary, _ = simulate(head, embed, held, gamma)
+        return float(summary["tau"]) if summary["tau"] is not None else 1.0
+
+    return tau
+
+
+# --- the hybrid's pointer ----------------------------------------------------------------------------
+
+def parent_pointer(init: str, current: Any, model_dir: Path) -> tuple[str, Path | None]:
+    """Where the refreshed pointer starts: ("parent", the current version's own pointer) where it keeps one,
+    else ("bundled", the bundled pointer) where that was trained for this very target, else ("fresh", None);
+    ``init`` "fresh" (the whole drafter from scratch): ("fresh", None)."""
+    from ..model.registry import head_pointer, matching_bundled_pointer, resolve_pointer
+
+    if init == "fresh":
+        return "fresh", None
+    own = head_pointer(current.path)
+    if own is not None:
+        return "parent", own
+    bundled = matching_bundled_pointer(Path(model_dir))
+    return ("bundled", resolve_pointer(bundled)) if bundled else ("fresh", None)
+
+
+def refresh_pointer(cfg: RefreshConfig, current: Any, model_dir: Path, target: dict[str, Any],
+                    records: Sequence[dict[str, Any]], held_out: Sequence[Any], out: Path,
+                    log: Log = _noop) -> dict[str, Any]:
+    """Train the hybrid's pointer on the sequences the head trains on (``records``: prompt + reply ids),
+    checked on the held-out records written at temperature 0, starting from ``parent_pointer``; save it to
+    ``out`` (the head directory's ``pointer/``, pinned to ``target``). Returns its provenance entry."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from ..drafting.tokens import TokenInfo
+    from ..model.registry import pointer_digest
+    from .pointer import train_pointer
+
+    init, start = parent_pointer(cfg.init, current, model_dir)
+    defaults = POINTER_WARM if start is not None else POINTER_FRESH
+    epochs = cfg.pointer_epochs if cfg.pointer_epochs is not None else int(defaults["epochs"])
+    lr = float(defaults["lr"])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    eos = eos_id(tok, model_dir)
+    seqs = [(list(r["prompt_ids"]) + list(r["output_ids"]), len(r["prompt_ids"])) for r in records]
+    dev = []
+    for r in held_out:
+        if r.temperature == 0:
+            p = render_prompt(tok, list(r.messages))
+            dev.append((p + reply_ids(tok, r, eos), len(p)))
+    if out.exists():
+        shutil.rmtree(out)
+    log(f"pointer: starting from {start or 'random weights'} ({init}); {epochs} epochs at lr {lr:g} on "
+        f"{len(seqs)} replies, checked on {len(dev)} held-out ones")
+    try:
+        s = train_pointer(model_dir, seqs, TokenInfo.from_tokenizer(tok), out, epochs=epochs, lr=lr,
+                          seed=cfg.seed, dev=dev, target=target, init=start, log=log)
+    except ValueError as exc:  # a parent pointer of another hidden size
+        raise RefreshError(f"{exc}: refresh without the pointer (--no-pointer) or from scratch (--init fresh)") \
+            from exc
+    last = {k: v for row in (s["epochs"][-1:] + s["numbers"]["epochs"][-1:]) for k, v in row.items()
+            if k.startswith("dev_")}
+    return {"init": init, "parent_path": str(start) if start else None,
+            "parent_digest": pointer_digest(start) if start else None, "digest": pointer_digest(out),
+            "examples": s["examples"] + s["numbers"]["examples"], "copied": s["copied"] + s["numbers"]["copied"],
+            "held_out_examples": s["dev_examples"] + s["numbers"]["dev_examples"], "epochs": epochs, "lr": lr,
+            "seconds": s["seconds"], "accuracy_before": s["start"] or None,
+            "accuracy": last or (s["start"] if epochs == 0 else {}) or None}
+
+
 # --- the whole refresh -------------------------------------------------------------------------------
 
 def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _noop,
@@ -348,11 +451,12 @@ def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _
 
     from ..model.convert import ModelNotFound
     from ..model.heads import HeadRegistry, HeadRegistryError
-    from ..model.registry import head_target, resolve_model, target_digest
+    from ..model.registry import HEAD_POINTER, head_target, resolve_model, target_digest
     from ..paths import config_digest, file_digest, home
     from .export import export_head, head_size_bytes
     from .features import FeatureSet
-    from .train import TrainConfig, WarmStart, distributed, head_draft_ids, pick_device, train_head, widen_vocab
+    from .train import (TrainConfig, WarmStart, distributed, head_draft_ids, pick_device, steps_per_epoch,
+                        train_head, widen_vocab)
 
     if cfg.init == "fresh" and cfg.widen is not None:
         raise RefreshError("--widen widens the current head's vocabulary: a setting of --init current "
@@ -392,22 +496,35 @@ def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _
             raise RefreshError(f"the target's tokenizer ({model_dir}) has no chat template: cannot render the "
                                "traffic's messages as the server did")
         with pg_factory() as pg:
-            n_regen = sum(1 for r in split.train if cfg.regenerate == "all" or r.temperature > 0)
-            task = pg.add_task("features", total=len(split.train),
+            # the held-out replies as the training ones: as written at temperature 0, sampled ones regenerated
+            # (one vLLM run for both)
+            both = split.train + split.held_out
+            n_regen = sum(1 for r in both if cfg.regenerate == "all" or r.temperature > 0)
+            task = pg.add_task("features", total=len(both),
                                info=f"regenerating {n_regen} sampled replies with vLLM" if n_regen else "")
-            records, counts = traffic_records(model_dir, tok, split.train, cfg.regenerate, cfg.max_tokens,
-                                              enforce_eager=cfg.enforce_eager, log=plog)
+            recs_both, _ = traffic_records(model_dir, tok, both, cfg.regenerate, cfg.max_tokens,
+                                           enforce_eager=cfg.enforce_eager, log=plog)
+            n = len(split.train)
+            records = recs_both[:n]
+            held_records = [{**r, "i": j} for j, r in enumerate(recs_both[n:])]
+            train_regen = sum(1 for r in split.train if cfg.regenerate == "all" or r.temperature > 0)
+            counts = {"as_is": n - train_regen, "regenerated": train_regen}
             fdir, shards = traffic_features(
                 model_dir, records, f"refresh-{cfg.head}", log=plog, device=dev,
-                progress=lambda d, t: pg.update(task, completed=d, total=t, info="HF forward, aux states"))
-            pg.update(task, completed=len(split.train), info=str(fdir))
+                progress=lambda d, t: pg.update(task, completed=d, total=len(both), info="HF forward, aux states"))
+            held_dir, held_shards = None, []
+            if held_records and cfg.eval_every != 0:  # for early stopping on held-out τ, cached alike
+                held_dir, held_shards = traffic_features(
+                    model_dir, held_records, f"refresh-{cfg.head}-held-out", log=plog, device=dev,
+                    progress=lambda d, t: pg.update(task, completed=n + d, total=len(both),
+                                                    info="HF forward, aux states (held-out)"))
+            pg.update(task, completed=len(both), info=str(fdir))
         seconds["features"] = time.perf_counter() - t0
-        eos = eos_id(tok, model_dir)
-        held_replies = [reply_ids(tok, r, eos) for r in split.held_out if r.temperature == 0]
+        held_replies = [list(r["output_ids"]) for r in held_records]
         prompt_tokens = [t for r in records for t in r["prompt_ids"]]
         return {"split": split, "current": current, "target": target, "model_dir": model_dir, "digest": digest,
                 "records": records, "counts": counts, "fdir": fdir, "shards": shards, "held_replies": held_replies,
-                "prompt_tokens": prompt_tokens}
+                "held_dir": held_dir, "held_shards": held_shards, "prompt_tokens": prompt_tokens}
 
     if world > 1:
         import torch.distributed as dist
@@ -424,7 +541,7 @@ def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _
     fs = FeatureSet.load(prep["shards"])
     V = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
 
-    # the draft vocabulary: the current head's, widened by the traffic's frequent reply tokens it lacks
+    # the draft vocabulary: the current head's, widened by the training replies' tokens it lacks
     train_replies = [t for r in records for t in r["output_ids"]]
     held_tokens = [t for ids in prep["held_replies"] for t in ids]
     warm = None
@@ -439,11 +556,17 @@ def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _
         old_set = set(head_draft_ids(current.path).tolist())
         new_set = None  # chosen by train_head from the traffic's replies
         added = []
+    budget, budget_rule = cfg.budget(len(records), steps_per_epoch(fs, cfg.batch_tokens, cfg.seed))
+    held_fs = FeatureSet.load(prep["held_shards"]) if prep["held_shards"] else None
+    eval_every = cfg.eval_every_for(budget) if held_fs is not None else 0
     tcfg = TrainConfig(ttt_steps=cfg.ttt_steps, lr=cfg.lr_or_default, batch_tokens=cfg.batch_tokens,
-                       epochs=cfg.epochs_or_default, steps=cfg.steps, draft_vocab_size=cfg.draft_vocab,
-                       save_every=cfg.save_every, seed=cfg.seed, max_minutes=cfg.max_minutes, fsdp=cfg.fsdp)
+                       steps=budget, draft_vocab_size=cfg.draft_vocab, save_every=cfg.save_every, seed=cfg.seed,
+                       max_minutes=cfg.max_minutes, fsdp=cfg.fsdp, eval_every=eval_every, patience=cfg.patience,
+                       min_delta=cfg.min_delta)
     parent_digest = file_digest(current.path / "model.safetensors")
     run_key = config_digest({"data": fdir.name, "parent": parent_digest, "init": cfg.init, "widen": cfg.widen,
+                             "held_out_data": prep["held_dir"].name if prep["held_dir"] else None,
+                             "pointer": [cfg.pointer, cfg.pointer_epochs],
                              "min_count": cfg.min_count, "train": {k: v for k, v in vars(tcfg).items()
                                                                    if k not in ("max_minutes", "save_every", "fsdp")}})
     stage = home() / "draft" / "refresh" / f"{cfg.head}-{run_key}"
@@ -459,8 +582,10 @@ def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _
                              acc_per_step_last20=list(s.get("acc_per_step_last20", [])), provenance=done.provenance,
                              reused=True)
     rank_log(f"features: {fs.n_seqs} sequences, {int(fs.offsets[-1])} tokens ({len(train_replies)} reply tokens) "
-             f"in {fdir}; training " + (f"{tcfg.steps} steps" if tcfg.steps is not None else f"{tcfg.epochs:g} epochs")
-             + f" at lr {tcfg.lr:g}")
+             f"in {fdir}; training at most {budget} steps ({budget_rule}) at lr {tcfg.lr:g}, "
+             + (f"held-out τ (γ={EVAL_GAMMA}) on {held_fs.n_seqs} records every {eval_every} steps, stopping after "
+                f"{cfg.patience} without a gain above {cfg.min_delta:g}" if eval_every
+                else "no held-out evaluation: the last head is kept"))
     t0 = time.perf_counter()
     with progress() if rank == 0 else Quiet() as pg:
         task = pg.add_task("train", total=1, info="")
@@ -471,12 +596,20 @@ def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _
 
         try:
             head, summary = train_head(fs, model_dir, stage / "run", tcfg, extra_vocab_tokens=prep["prompt_tokens"],
-                                       data_key=fdir.name, on_step=on_step, log=rank_log, device=dev, warm=warm)
+                                       data_key=fdir.name, on_step=on_step, log=rank_log, device=dev, warm=warm,
+                                       evaluate=held_out_tau(held_fs) if held_fs is not None else None)
         except ValueError as exc:  # a current head that does not fit the target's shape
             raise RefreshError(f"{current.ref}: {exc} (--init fresh)") from exc
     seconds["train"] = time.perf_counter() - t0
     if rank != 0:
         return None
+    pointer_prov = None  # --no-pointer: the version keeps none of its own
+    if cfg.pointer:  # the hybrid's pointer, trained on the same sequences, kept in the head directory
+        t0 = time.perf_counter()
+        pointer_prov = refresh_pointer(cfg, current, model_dir,
+                                       {"digest": digest, "name": prep["target"], "path": str(model_dir)},
+                                       records, split.held_out, stage / "head" / HEAD_POINTER, log=rank_log)
+        seconds["pointer"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if new_set is None:
         new_set = set(head.draft_ids.tolist())
@@ -499,13 +632,22 @@ def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _
         "replies": {**prep["counts"], "regenerate": cfg.regenerate,
                     "redacted_records": sum(1 for r in split.train if getattr(r, "redactions", 0))},
         "vocab": vocab,
-        "training": {"steps": summary["steps"], "total_steps": summary["total_steps"], "epochs": tcfg.epochs,
-                     "fixed_steps": tcfg.steps,
+        "training": {"budget": budget, "budget_rule": budget_rule, "steps": summary["steps"],
+                     "steps_per_epoch": summary["steps_per_epoch"],
+                     "stopped_early": summary["stopped_early"],
+                     "stop_reason": summary["stop_reason"] or f"ran the budget ({budget} steps)" + (
+                         "" if eval_every else ", --eval-every 0" if cfg.eval_every == 0
+                         else ", no held-out records to stop on"),
+                     "eval": ({"gamma": EVAL_GAMMA, "records": held_fs.n_seqs, "every": eval_every,
+                               "patience": cfg.patience, "min_delta": cfg.min_delta} if eval_every else None),
+                     "tau_curve": summary["evals"], "best_step": summary["best_step"],
+                     "best_tau": summary["best_score"], "kept": summary["kept"],
                      "lr": tcfg.lr, "ttt_steps": tcfg.ttt_steps, "batch_tokens": tcfg.batch_tokens,
-                     "seconds": summary["seconds"], "stopped_early": summary["stopped_early"],
+                     "seconds": summary["seconds"],
                      "final_loss": summary["final_loss"], "acc_per_step_last20": summary["acc_per_step_last20"],
                      "device": dev, "world_size": world, "threads": torch.get_num_threads()},
         "features_dir": str(fdir),
+        "pointer": pointer_prov,
     }
     seconds["export"] = time.perf_counter() - t0
     seconds["total"] = time.perf_counter() - t_start
@@ -531,6 +673,20 @@ def _when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
 
 
+def pointer_lines(p: dict[str, Any] | None) -> str:
+    """PROVENANCE.md's lines about the version's own pointer (``refresh_pointer``'s entry; None: it has none)."""
+    if p is None:
+        return ("- pointer: none of its own (--no-pointer); a hybrid deployment drafts with the bundled pointer "
+                "where it was trained for the target\n")
+    start = {"parent": f"the parent's (digest {p['parent_digest']})",
+             "bundled": f"the bundled one (digest {p['parent_digest']})", "fresh": "random weights"}[p["init"]]
+    fig = lambda a: ", ".join(f"{k} {v}" for k, v in a.items()) if a else "—"  # noqa: E731
+    return (f"- pointer (`pointer/`, digest {p['digest']}): from {start}, {p['epochs']} epochs at lr {p['lr']} on "
+            f"{p['examples']} value starts of the training replies ({p['copied']} copied), {p['seconds']:.0f} s;\n"
+            f"  on {p['held_out_examples']} held-out value starts: {fig(p['accuracy_before'])} before, "
+            f"{fig(p['accuracy'])} after\n")
+
+
 def write_refresh_provenance(out: Path, prov: dict[str, Any], *, name: str, size_bytes: int,
                              ref: str | None = None) -> Path:
     """PROVENANCE.md beside a refreshed head: the command, the target, the traffic windows, the vocabulary and
@@ -542,8 +698,12 @@ def write_refresh_provenance(out: Path, prov: dict[str, Any], *, name: str, size
     held_after = pct(v['held_out_outside_new'], v['held_out_reply_tokens'])
     train_before = pct(v['train_outside_parent'], v['train_reply_tokens'])
     train_after = pct(v['train_outside_new'], v['train_reply_tokens'])
-    early = " — stopped early by --max-minutes" if t["stopped_early"] else ""
-    budget = f" ({t['epochs']:g} epochs)" if t.get("fixed_steps") is None else " (--steps)"
+    early = f"stopped early: {t['stop_reason']}" if t["stopped_early"] else t["stop_reason"]
+    curve = ", ".join(f"{st}: {tau:.3f}" for st, tau in t["tau_curve"]) or "—"
+    kept = (f"the best, step {t['best_step']} (τ {t['best_tau']:.3f})" if t["kept"] == "best"
+            else "the last")
+    evals = (f"simulated τ at γ={t['eval']['gamma']} on the {t['eval']['records']} held-out records every "
+             f"{t['eval']['every']} steps (step: τ): {curve}" if t["eval"] else "no held-out evaluation")
     procs = f" with {t['world_size']} processes" if t["world_size"] > 1 else ""
     path = Path(out) / "PROVENANCE.md"
     path.write_text(f"""# EAGLE-3 head `{ref or name}`, refreshed from traffic
@@ -568,14 +728,16 @@ Built with
 - reply tokens outside the draft vocabulary, before and after widening:
   - training replies: {v['train_outside_parent']} of {v['train_reply_tokens']} ({train_before}) before,
     {v['train_outside_new']} ({train_after}) after
-  - held-out replies at temperature 0: {v['held_out_outside_parent']} of {v['held_out_reply_tokens']} ({held_before})
+  - held-out replies (as the target writes them greedily): {v['held_out_outside_parent']} of {v['held_out_reply_tokens']} ({held_before})
     before, {v['held_out_outside_new']} ({held_after}) after
 - training-time test: k={t['ttt_steps']}, lr {t['lr']} (cosine), {t['batch_tokens']} tokens/batch,
-  {t['steps']} of {t['total_steps']} optimiser steps{budget}{early}; per-step accuracy (mean of the last 20
-  batches): {t['acc_per_step_last20']}
+  {t['steps']} of a budget of {t['budget']} optimiser steps ({t['budget_rule']}); per-step accuracy (mean of
+  the last 20 batches): {t['acc_per_step_last20']}
+- {evals}
+- {early}; head kept: {kept}
 - on {t['device']}{procs}, {t['threads']} threads: read {s.get('read', 0):.0f} s, features {s.get('features', 0):.0f} s
   (incl. regeneration, cached on reruns), training {s.get('train', 0):.0f} s, total {s.get('total', 0):.0f} s;
   `model.safetensors` {size_bytes / 1e6:.1f} MB
 - training log (loss and accuracy per step): `training_log.json`
-""")
+{pointer_lines(prov.get('pointer'))}""")
     return path

@@ -27,6 +27,12 @@ rows, as ``init_head`` starts every row of a fresh head.
 A checkpoint (head, optimiser, step, vocabulary) is written every
 ``save_every`` steps into ``OUT/checkpoint``; rerunning the same command with
 the same data resumes there, replaying the same batch order.
+
+With an ``evaluate`` function and ``eval_every`` > 0 (``cartspec draft
+refresh``: simulated τ on held-out records), the head is measured before the
+first step, every ``eval_every`` steps and at the last; training stops early
+when ``budget.EarlyStop`` says τ has plateaued, and the best head measured,
+not the last, is returned (its weights are checkpointed too).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ..serving.engine import compute_dtype
+from .budget import MIN_DELTA, PATIENCE, EarlyStop
 from .features import FeatureSet
 from ..model.weights import load_target_weights  # noqa: F401  (its callers import it from here too)
 from .head import Eagle3Head, HeadConfig
@@ -70,6 +77,10 @@ class TrainConfig:
     max_minutes: float | None = None  # stop early (checkpointed, exported) after this long
     threads: int | None = None
     fsdp: bool = False  # under torchrun: shard the head (FSDP2) instead of replicating it (DDP)
+    # held-out evaluation (train_head's ``evaluate``) every this many steps and at the last; 0: none
+    eval_every: int = 0
+    patience: int = PATIENCE  # early stopping (budget.EarlyStop): evaluations without improvement; 0: never
+    min_delta: float = MIN_DELTA
 
 
 def pick_device(device: str = "auto") -> str:
@@ -245,6 +256,11 @@ def _plan_batches(fs: FeatureSet, batch_tokens: int, seed: int, epoch: int) -> l
     return out
 
 
+def steps_per_epoch(fs: FeatureSet, batch_tokens: int, seed: int = 0) -> int:
+    """Optimiser steps in one pass over ``fs`` at ``batch_tokens`` padded tokens per batch."""
+    return len(_plan_batches(fs, batch_tokens, seed, 0))
+
+
 def make_batch(fs: FeatureSet, seqs: list[int]) -> dict[str, torch.Tensor]:
     lens = [fs.offsets[s + 1] - fs.offsets[s] for s in seqs]
     T = int(max(lens))
@@ -323,10 +339,14 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
                extra_vocab_tokens: Sequence[int] = (), data_key: str = "",
                on_step: Callable[[int, int, dict[str, Any]], None] | None = None,
                log: Callable[[str], None] = print, device: str = "cpu",
-               warm: WarmStart | None = None) -> tuple[Eagle3Head, dict[str, Any]]:
+               warm: WarmStart | None = None,
+               evaluate: Callable[[Eagle3Head, torch.Tensor], float] | None = None,
+               ) -> tuple[Eagle3Head, dict[str, Any]]:
     """Train (or resume) a head; returns it and a summary. ``OUT/checkpoint`` holds the state (written by
     rank 0 under torchrun). ``warm``: start from an exported head (its weights, a widened vocabulary) instead
-    of a random head."""
+    of a random head. ``evaluate(head, embed)``: a score to maximise (held-out τ), called on rank 0 every
+    ``cfg.eval_every`` steps with the whole head on the CPU in eval mode and the target's float32 embedding
+    there; the best-scoring head is returned and training stops when the score plateaus (``EarlyStop``)."""
     rank, world = distributed()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -342,8 +362,10 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
 
     resume = ckpt / "state.json"
     state: dict[str, Any] | None = json.loads(resume.read_text()) if resume.exists() else None
-    run_id: dict[str, Any] = {"data": data_key, "cfg": {k: v for k, v in asdict(cfg).items()
-                                                        if k not in ("max_minutes", "threads", "save_every", "fsdp")}}
+    # without evaluation the stopping settings change nothing (and a checkpoint from before them still resumes)
+    ignored = ("max_minutes", "threads", "save_every", "fsdp") + (("eval_every", "patience", "min_delta")
+                                                                    if not cfg.eval_every else ())
+    run_id: dict[str, Any] = {"data": data_key, "cfg": {k: v for k, v in asdict(cfg).items() if k not in ignored}}
     if warm is not None:  # a checkpoint of another start (fresh, or from another head) is not resumed
         from ..paths import file_digest
 
@@ -391,6 +413,14 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
         history = state.get("history", [])
         elapsed_before = float(state.get("seconds", 0.0))
         log(f"resuming from step {step} ({ckpt})")
+    evaluating = evaluate is not None and cfg.eval_every > 0
+    stop = EarlyStop.replay((state or {}).get("evals", []), patience=cfg.patience, min_delta=cfg.min_delta,
+                            min_steps=cfg.warmup_steps)
+    plateau: str | None = (state or {}).get("plateau")  # a resumed run that had stopped on a plateau stays stopped
+    best_sd: dict[str, torch.Tensor] | None = None  # rank 0: the best-scoring head's weights (CPU)
+    best_saved = stop.best_step  # the step whose weights best-STEP.pt holds
+    if evaluating and stop.best_step is not None and rank == 0:
+        best_sd = torch.load(ckpt / f"best-{stop.best_step}.pt", weights_only=True, map_location="cpu")
 
     lm_dv = tw["lm_head"][draft_ids].float().to(device)
     runner = None
@@ -411,7 +441,7 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets them, the others {}
         return get_model_state_dict(head, options=opts), get_optimizer_state_dict(head, opt, options=opts)
-    per_epoch = len(_plan_batches(fs, cfg.batch_tokens, cfg.seed, 0))
+    per_epoch = steps_per_epoch(fs, cfg.batch_tokens, cfg.seed)
     total = cfg.steps if cfg.steps is not None else max(1, int(math.ceil(cfg.epochs * per_epoch)))
     # the same order on every run: epoch e, batch j -> global step
     schedule: list[list[int]] = []
@@ -422,6 +452,7 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
     schedule = schedule[:total]
 
     def save(final_step: int, seconds: float) -> None:
+        nonlocal best_saved
         model_sd, optim_sd = full_state()
         if rank != 0:
             return
@@ -429,18 +460,70 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
         torch.save(optim_sd, ckpt / "optim.pt.tmp")
         (ckpt / "head.pt.tmp").replace(ckpt / "head.pt")
         (ckpt / "optim.pt.tmp").replace(ckpt / "optim.pt")
+        if best_sd is not None and stop.best_step != best_saved:  # state.json below commits it
+            torch.save(best_sd, ckpt / "best.pt.tmp")
+            (ckpt / "best.pt.tmp").replace(ckpt / f"best-{stop.best_step}.pt")
         tmp = ckpt / "state.json.tmp"
         tmp.write_text(json.dumps({"run_id": run_id, "step": final_step, "total": total, "seconds": seconds,
-                                   "draft_ids": draft_ids.tolist(), "history": history}))
+                                   "draft_ids": draft_ids.tolist(), "history": history, "evals": stop.curve,
+                                   "plateau": plateau}))
         tmp.replace(resume)
+        if stop.best_step != best_saved:
+            for old in ckpt.glob("best-*.pt"):
+                if old.name != f"best-{stop.best_step}.pt":
+                    old.unlink()
+            best_saved = stop.best_step
+
+    embed_cpu: list[torch.Tensor] = []  # the embedding the evaluation reads, made once
+
+    def eval_copy() -> Eagle3Head | None:
+        """The head as ``evaluate`` reads it, on rank 0 (None elsewhere): whole and on the CPU (gathered under
+        FSDP: a collective, every rank calls it)."""
+        if sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            sd = get_model_state_dict(head, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        elif rank != 0:
+            return None
+        elif device == "cpu":
+            return head
+        else:
+            sd = head.state_dict()
+        if rank != 0:
+            return None
+        plain = Eagle3Head(hcfg)
+        plain.load_state_dict({k: v.detach().cpu() for k, v in sd.items()})
+        return plain
+
+    def run_eval(at: int) -> bool:
+        """Score the head at step ``at``, keep it when it is the best so far; the stopping rule's answer, the
+        same on every rank."""
+        nonlocal best_sd
+        plain = eval_copy()
+        stop_now = False
+        if plain is not None:
+            if not embed_cpu:
+                embed_cpu.append(embed if device == "cpu" else tw["embed"].float())
+            score = float(evaluate(plain.eval(), embed_cpu[0]))  # type: ignore[misc]
+            head.train()
+            best = stop.update(at, score)
+            if best:
+                best_sd = {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()}
+            log(f"step {at}/{total}: held-out τ {score:.3f}" + (" (best)" if best else
+                                                                 f" (best {stop.best_tau:.3f} at {stop.best_step})"))
+            stop_now = stop.should_stop
+        return _agree(stop_now, world, device)
 
     # bf16 autocast only where bf16 is native: an AVX2-only CPU would emulate it (machine.compute_dtype)
     amp_dtype = compute_dtype(device)
     amp = torch.autocast(device, dtype=amp_dtype) if amp_dtype != torch.float32 else contextlib.nullcontext()
     t0 = time.perf_counter()
     head.train()
-    stopped_early = False
-    while step < total:
+    stopped_early = plateau is not None
+    stop_reason = plateau
+    if evaluating and step == 0 and not stop.curve:  # the starting head: the curve's first point
+        run_eval(0)
+    while step < total and plateau is None:
         seqs = schedule[step]
         if world > 1 and len(seqs) >= world:  # this rank's share of the batch
             seqs = seqs[rank::world]
@@ -468,12 +551,21 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
         seconds = elapsed_before + time.perf_counter() - t0
         if on_step:
             on_step(step, total, rec)
-        if step % cfg.save_every == 0 or step == total:
+        out_of_time = (cfg.max_minutes is not None and step < total
+                       and _agree(seconds > cfg.max_minutes * 60, world, device))
+        if evaluating and (step % cfg.eval_every == 0 or step == total or out_of_time):
+            if run_eval(step) and step < total:
+                plateau = stop.reason()
+            seconds = elapsed_before + time.perf_counter() - t0
+        if step % cfg.save_every == 0 or step == total or out_of_time or plateau:
             save(step, seconds)
-        if cfg.max_minutes is not None and step < total and _agree(seconds > cfg.max_minutes * 60, world, device):
-            save(step, seconds)
+        if out_of_time:
             log(f"stopping after {seconds / 60:.1f} min (--max-minutes) at step {step}/{total}")
-            stopped_early = True
+            stopped_early, stop_reason = True, f"--max-minutes {cfg.max_minutes:g} reached at step {step}"
+            break
+        if plateau:
+            log(f"stopping at step {step}/{total}: {plateau}")
+            stopped_early, stop_reason = True, plateau
             break
     seconds = elapsed_before + time.perf_counter() - t0
     if sharded:  # a plain head with the full weights, on every rank
@@ -482,6 +574,8 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
         full = get_model_state_dict(head, options=StateDictOptions(full_state_dict=True))
         head = Eagle3Head(hcfg)
         head.load_state_dict({k: v.detach().cpu() for k, v in full.items()})
+    if best_sd is not None:  # rank 0: the best head measured, not the last
+        head.load_state_dict(best_sd)
     head.eval()
     tail = history[-min(len(history), 20):]
     acc_tail = [sum(r["acc"][s] for r in tail if r["acc"][s] is not None) /
@@ -495,6 +589,10 @@ def train_head(fs: FeatureSet, target_dir: Path, out_dir: Path, cfg: TrainConfig
     summary["sharding"] = "fsdp" if sharded else ("ddp" if world > 1 else None)
     summary["device"] = device
     summary["compute_dtype"] = str(amp_dtype).removeprefix("torch.")
+    summary["stop_reason"] = stop_reason
+    summary["evals"] = [[s_, round(t_, 4)] for s_, t_ in stop.curve]
+    summary["best_step"], summary["best_score"] = stop.best_step, stop.best_tau
+    summary["kept"] = "best" if best_sd is not None else "last"
     if rank == 0:
         (out_dir / "training_log.json").write_text(json.dumps({"summary": summary, "history": history}))
     return head.cpu(), summary
