@@ -480,15 +480,14 @@ def pointer_digest(pointer_dir: str | Path) -> str:
     """What a pointer is, for the decision: ``bundled`` (the pointer shipped with cartspec), else the first 12
     hex digits of its files' digest (config.json, pointer.safetensors), the same wherever the directory lies."""
     from ..model.registry import BUNDLED_POINTER, POINTERS_DIR
-    from ..paths import dir_digest
+    from ..model.registry import pointer_digest as digest
 
     path = Path(pointer_dir).expanduser()
     if path.resolve() == (POINTERS_DIR / BUNDLED_POINTER).resolve():
         return "bundled"
-    files = ("config.json", "pointer.safetensors")
-    if not all((path / f).is_file() for f in files):
+    if not all((path / f).is_file() for f in ("config.json", "pointer.safetensors")):
         return f"{path} (no longer there)"
-    return dir_digest(path, only=files)[:12]
+    return digest(path)[:12]
 
 
 def report_pointer(report: AcceptanceReport) -> str | None:
