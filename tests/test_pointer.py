@@ -268,3 +268,34 @@ def test_a_pointer_trained_for_another_model_is_refused(tmp_path):
     with pytest.raises(HeadMismatch, match="cartspec draft pointer"):
         check_spec_head(spec)
     assert check_spec_head(spec, force=True, warn=lambda m: None) == "match"  # the head's verdict; warned
+
+
+def test_keep_best_ends_with_the_epoch_that_checked_best_never_below_a_warm_start():
+    """A refresh's pointer keeps its best epoch on the held-out value starts: trained here on picks the held-out
+    set contradicts (the same starts, "no copy" held out), so training makes it check worse, and the kept net
+    checks as well as the best of its start and its epochs, not as its last epoch."""
+    import torch
+
+    from cartspec.draft.pointer import Example, _fit, correct
+    from cartspec.drafting.pointer import FLAGS, N_SLOTS, PointerConfig, PointerNet
+
+    torch.manual_seed(0)
+    embed = torch.randn(50, 16)
+    net = PointerNet(PointerConfig(embed_dim=16))
+    rng = np.random.default_rng(0)
+
+    def ex(positive):
+        toks = rng.integers(1, 50, size=(5, N_SLOTS))
+        return Example(tokens=toks, flags=np.zeros((5, len(FLAGS)), dtype=np.float32), key_ids=[3], quote=4,
+                       positive=positive)
+
+    train = [ex([1]) for _ in range(40)]
+    dev = [Example(e.tokens, e.flags, e.key_ids, e.quote, [0]) for e in train]  # "no copy" everywhere
+    _fit(net, embed, dev, dev, 3, 0.05, 8, 0, lambda row: None)  # a warm start: it learnt the held-out picks
+    start = correct(net, embed, dev)
+    assert start > len(dev) // 2
+    hist = _fit(net, embed, train, dev, 4, 0.05, 8, 0, lambda row: None, keep_best=True, from_start=True)
+    by_epoch = [round(r["dev_no_copy_kept"] * len(dev)) for r in hist]
+    assert by_epoch[-1] < start  # training on the contradicted picks made the last epoch worse...
+    assert correct(net, embed, dev) == max([start] + by_epoch)  # ...and the kept net is the best one
+    assert hist[-1]["kept_epoch"] == ([start] + by_epoch).index(max([start] + by_epoch))

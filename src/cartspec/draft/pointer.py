@@ -116,12 +116,16 @@ def initial_nets(init: Path | None, embed_dim: int,
 def train_pointer(model_dir: Path, sequences: Sequence[tuple[Sequence[int], int]], info: Any, out: Path,
                   epochs: int = 20, lr: float = 3e-3, batch: int = 64, seed: int = 0,
                   dev: Sequence[tuple[Sequence[int], int]] = (), target: dict[str, Any] | None = None,
-                  init: Path | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+                  init: Path | None = None, keep_best: bool = False,
+                  log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train on ``sequences`` (prompt + reply token ids, prompt length), check on ``dev``, save to ``out``
     (``target``: what the config records of the model trained for). Two nets of one shape: one on the string
     values' starts, then one on the number values' (``Pointer``'s ``numbers``; none where the replies have
     no number value and ``init`` has none). ``init``: a pointer directory to start from (``initial_nets``; its
-    accuracy on ``dev`` before training is the log's ``start``); 0 ``epochs`` keeps its weights as they are."""
+    accuracy on ``dev`` before training is the log's ``start``); 0 ``epochs`` keeps its weights as they are.
+    ``keep_best``: each net keeps the weights of its epoch that got the most ``dev`` value starts right
+    (``correct``), not the last epoch's, and a net warm-started from ``init`` counts its start as epoch 0: a
+    refresh never deploys a pointer that checks worse than the one it started from."""
     from ..model.weights import load_target_weights
 
     t0 = time.perf_counter()
@@ -139,12 +143,15 @@ def train_pointer(model_dir: Path, sequences: Sequence[tuple[Sequence[int], int]
               **(accuracy(number_net, embed, dev_numbers) if number_net is not None else {})}
              if init is not None else {})
     hist = _fit(net, embed, strings, dev_strings, epochs, lr, batch, seed,
-                lambda row: log("pointer: " + " ".join(f"{k}={v}" for k, v in row.items())))
+                lambda row: log("pointer: " + " ".join(f"{k}={v}" for k, v in row.items())), keep_best,
+                init is not None)
     number_hist: list[dict[str, Any]] = []
     if any(e.positive != [0] for e in numbers):
+        warm_numbers = number_net is not None
         number_net = number_net if number_net is not None else PointerNet(cfg)
         number_hist = _fit(number_net, embed, numbers, [e for e in dev_ex if e.number], epochs, lr, batch, seed,
-                           lambda row: log("pointer, numbers: " + " ".join(f"{k}={v}" for k, v in row.items())))
+                           lambda row: log("pointer, numbers: " + " ".join(f"{k}={v}" for k, v in row.items())),
+                           keep_best, warm_numbers)
     cfg.log = {"examples": len(strings), "copied": sum(e.positive != [0] for e in strings),
                "dev_examples": sum(not e.number for e in dev_ex), "epochs": hist,
                "numbers": {"examples": len(numbers), "copied": sum(e.positive != [0] for e in numbers),
@@ -155,12 +162,21 @@ def train_pointer(model_dir: Path, sequences: Sequence[tuple[Sequence[int], int]
 
 
 def _fit(net: PointerNet, embed: torch.Tensor, ex: Sequence[Example], dev_ex: Sequence[Example], epochs: int,
-         lr: float, batch: int, seed: int, log: Callable[[dict], None]) -> list[dict[str, Any]]:
+         lr: float, batch: int, seed: int, log: Callable[[dict], None],
+         keep_best: bool = False, from_start: bool = False) -> list[dict[str, Any]]:
     """Adam on ``ex`` (the loss: minus the log of the positives' share), ``accuracy`` on ``dev_ex`` after
-    each epoch; the epochs' rows."""
+    each epoch; the epochs' rows. ``keep_best`` (with ``dev_ex``): the net ends with the weights of the epoch
+    with the most ``correct`` picks (``from_start``: as it started counts, as epoch 0), the last row saying
+    which (``kept_epoch``)."""
+    import copy
+
     opt = torch.optim.Adam(net.parameters(), lr=lr)
     rng = random.Random(seed)
     hist = []
+    keep_best = keep_best and bool(dev_ex)
+    best = None
+    if keep_best:
+        best = (correct(net, embed, dev_ex), 0, copy.deepcopy(net.state_dict())) if from_start else (-1, 0, None)
     for ep in range(epochs):
         net.train()
         order = list(range(len(ex)))
@@ -175,9 +191,29 @@ def _fit(net: PointerNet, embed: torch.Tensor, ex: Sequence[Example], dev_ex: Se
             opt.step()
             total += float(loss.detach()) * len(order[b:b + batch])
         row = {"epoch": ep + 1, "loss": round(total / max(1, len(ex)), 4), **accuracy(net, embed, dev_ex)}
+        if best is not None:
+            right = correct(net, embed, dev_ex)
+            if right > best[0]:
+                best = (right, ep + 1, copy.deepcopy(net.state_dict()))
         hist.append(row)
         log(row)
+    if best is not None and hist:
+        net.load_state_dict(best[2])
+        hist[-1]["kept_epoch"] = best[1]
+        if best[1] != len(hist):
+            log({"kept_epoch": best[1], "correct": best[0], "of": len(dev_ex)})
     return hist
+
+
+@torch.no_grad()
+def correct(net: PointerNet, embed: torch.Tensor, ex: Sequence[Example]) -> int:
+    """How many of ``ex`` the pick gets right: a copied value's start drafted right, or "no copy" kept."""
+    acc = accuracy(net, embed, ex)
+    if not acc:
+        return 0
+    pre = "dev_number_" if ex[0].number else "dev_"
+    n_keep = sum(e.positive == [0] for e in ex)
+    return round(acc[pre + "copied_top1"] * (len(ex) - n_keep) + acc[pre + "no_copy_kept"] * n_keep)
 
 
 @torch.no_grad()

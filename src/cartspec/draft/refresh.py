@@ -425,13 +425,22 @@ def refresh_pointer(cfg: RefreshConfig, current: Any, model_dir: Path, target: d
         f"{len(seqs)} replies, checked on {len(dev)} held-out ones")
     try:
         s = train_pointer(model_dir, seqs, TokenInfo.from_tokenizer(tok), out, epochs=epochs, lr=lr,
-                          seed=cfg.seed, dev=dev, target=target, init=start, log=log)
+                          seed=cfg.seed, dev=dev, target=target, init=start, keep_best=True, log=log)
     except ValueError as exc:  # a parent pointer of another hidden size
         raise RefreshError(f"{exc}: refresh without the pointer (--no-pointer) or from scratch (--init fresh)") \
             from exc
-    last = {k: v for row in (s["epochs"][-1:] + s["numbers"]["epochs"][-1:]) for k, v in row.items()
-            if k.startswith("dev_")}
-    return {"init": init, "parent_path": str(start) if start else None,
+    def kept(rows: list[dict[str, Any]], start: dict[str, Any]) -> dict[str, Any]:
+        """The held-out figures of the epoch the net kept (0: its start), else of its last epoch."""
+        k = rows[-1].get("kept_epoch", len(rows)) if rows else 0
+        return {key: v for key, v in (rows[k - 1] if k else start).items() if key.startswith("dev_")}
+
+    numbers = lambda d: {k: v for k, v in d.items() if k.startswith("dev_number_")}  # noqa: E731
+    begin = s["start"] or {}
+    last = {**kept(s["epochs"], {k: v for k, v in begin.items() if k not in numbers(begin)}),
+            **kept(s["numbers"]["epochs"], numbers(begin))}
+    kept_epochs = {"strings": (s["epochs"][-1:] or [{}])[0].get("kept_epoch"),
+                   "numbers": (s["numbers"]["epochs"][-1:] or [{}])[0].get("kept_epoch")}
+    return {"kept_epoch": kept_epochs, "init": init, "parent_path": str(start) if start else None,
             "parent_digest": pointer_digest(start) if start else None, "digest": pointer_digest(out),
             "examples": s["examples"] + s["numbers"]["examples"], "copied": s["copied"] + s["numbers"]["copied"],
             "held_out_examples": s["dev_examples"] + s["numbers"]["dev_examples"], "epochs": epochs, "lr": lr,
