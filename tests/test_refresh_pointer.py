@@ -41,7 +41,7 @@ def test_a_refresh_registers_head_and_pointer_as_one_version_started_from_the_pa
     from cartspec.drafting.pointer import Pointer
     from cartspec.model.heads import HeadRegistry
     from cartspec.model.heads_cli import heads_app
-    from cartspec.model.registry import check_head, pointer_digest
+    from cartspec.model.registry import check_head, head_digest, pointer_digest
     from cartspec.serving.spec import DeploymentSpec, Speculative
 
     res = refresh_head(_cfg(shop, pointer_epochs=1))
@@ -51,6 +51,7 @@ def test_a_refresh_registers_head_and_pointer_as_one_version_started_from_the_pa
     # trained from random weights (no parent pointer, no bundled one for this target), on the training replies
     assert res.ref == "shop@v0002" and p["init"] == "fresh" and p["parent_digest"] is None
     assert p["digest"] == pointer_digest(own) and p["examples"] > 0 and p["epochs"] == 1
+    assert v2.provenance["head_digest"] == head_digest(v2.path)  # both artefacts of the version, by digest
     assert p["held_out_examples"] > 0 and set(p["accuracy"]) >= {"dev_copied_top1", "dev_no_copy_kept"}
     assert check_head(own, tiny_llama_dir, what="pointer") == "match"  # pinned to the target it was trained for
     assert Pointer.load(own, tiny_llama_dir).numbers  # the replies' prices: a number net too

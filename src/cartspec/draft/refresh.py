@@ -460,7 +460,7 @@ def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _
 
     from ..model.convert import ModelNotFound
     from ..model.heads import HeadRegistry, HeadRegistryError
-    from ..model.registry import HEAD_POINTER, head_target, resolve_model, target_digest
+    from ..model.registry import HEAD_POINTER, head_digest, head_target, resolve_model, target_digest
     from ..paths import config_digest, file_digest, home
     from .export import export_head, head_size_bytes
     from .features import FeatureSet
@@ -656,6 +656,7 @@ def refresh_head(cfg: RefreshConfig, *, command: str | None = None, log: Log = _
                      "final_loss": summary["final_loss"], "acc_per_step_last20": summary["acc_per_step_last20"],
                      "device": dev, "world_size": world, "threads": torch.get_num_threads()},
         "features_dir": str(fdir),
+        "head_digest": head_digest(out),  # the head's config and weights; the pointer's is pointer.digest
         "pointer": pointer_prov,
     }
     seconds["export"] = time.perf_counter() - t0

@@ -285,6 +285,13 @@ def head_pointer(head_dir: Path | str | None) -> Path | None:
     return path if (path / "pointer.safetensors").is_file() and (path / "config.json").is_file() else None
 
 
+def head_digest(head_dir: Path) -> str:
+    """An EAGLE-3 head's digest (its config and weights; every file where it has no model.safetensors), as an
+    export and a head version's provenance record it."""
+    only = [n for n in ("config.json", "model.safetensors") if (Path(head_dir) / n).is_file()]
+    return dir_digest(Path(head_dir), only=only if "model.safetensors" in only else None)
+
+
 def pointer_digest(pointer_dir: Path) -> str:
     """A pointer's digest (its config and weights), as an export and a head version's provenance record it."""
     only = [n for n in ("config.json", "pointer.safetensors") if (Path(pointer_dir) / n).is_file()]

@@ -258,13 +258,6 @@ def _sized(path: Path) -> float:
     return sum(f.stat().st_size for f in path.glob("*.safetensors")) / 2 ** 30
 
 
-def _head_digest(head: Path) -> str:
-    from ..paths import dir_digest
-
-    only = [n for n in ("config.json", "model.safetensors") if (head / n).is_file()]
-    return dir_digest(head, only=only if "model.safetensors" in only else None)
-
-
 def _dtype_for(spec: DeploymentSpec, device: Device, caveats: list[str]) -> DeploymentSpec:
     """``dtype: auto`` is this machine's pick; exported for another kind of device it takes that device's."""
     if spec.dtype != "auto" or device == this_device():
@@ -335,8 +328,8 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
     ``default_image``). Raises ``ExportRefused`` for an adaptive spec not tuned yet and a spec that carries a
     key, ``HeadMismatch`` for a head or pointer trained for another target unless ``force``, and ValueError for
     a bad ``api_key_env``."""
-    from ..model.registry import (check_head, head_target, pointer_digest, resolve_head, resolve_model,
-                                  target_digest)
+    from ..model.registry import (check_head, head_digest, head_target, pointer_digest, resolve_head,
+                                  resolve_model, target_digest)
     from .server import VllmServer
 
     sp = spec.speculative
@@ -358,7 +351,7 @@ def build_export(spec: DeploymentSpec, device: Device | None = None, image: str 
         head_dir = Path(resolve_model(sp.model) if draft_model else resolve_head(sp.model)).resolve()
         fits = None if draft_model else check_head(head_dir, model_dir, force=force, warn=caveats.append)
         head = Artifact(name=_public_name(str(sp.model)), mount=DRAFT_MOUNT, size_gib=_sized(head_dir), fits=fits,
-                        digest=target_digest(head_dir) if draft_model else _head_digest(head_dir),
+                        digest=target_digest(head_dir) if draft_model else head_digest(head_dir),
                         trained_for=None if draft_model else (head_target(head_dir) or {}).get("digest"))
         sources[DRAFT_MOUNT] = str(head_dir)
     pointer_name = sp.hybrid.pointer if sp.hybrid is not None else ""
