@@ -21,6 +21,10 @@ e.g. ``plain; reason=acceptance-fallback; acceptance=0.012``),
 ``X-Cartspec-Canary`` (e.g. ``candidate; state=trial; n=37``). With a traffic
 directory, each request the model answered is also appended to the traffic log
 (``task.traffic``), after its response is sent.
+
+``create_app`` builds the app and its state, an ``Agent``: a request's path to the model (route, admit, ask
+with the retry policy of ``retry``, report each call to the ``observer.CallObserver``). The routes are
+``routes``' and ``openai_api``'s.
 """
 
 from __future__ import annotations
@@ -43,33 +47,30 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..serving.client import Completion, UpstreamError
 from ..task.data import MAX_HISTORY_TURNS, MAX_QUERY_CHARS, Turn
-from ..task.data import Request as TaskRequest
-from ..task.schema import SearchParams, SupportReply, json_schema
+from ..task.schema import json_schema
 from ..task.traffic import TrafficRecord, TrafficWriter
-from ..vllm_plugin import steps as engine_steps
-from .acceptance import AcceptanceStats, reply_stats
+from .acceptance import AcceptanceStats
 from .admission import Admission, Throughput
-from .cache import CoalescedCancelled, HotCache, request_key
-from .canary import STATES, Arm, Canary, Decision
-from .chat import ChatCall, Reading, commerce_call
+from .cache import CoalescedCancelled, HotCache
+from .canary import STATES, Canary, Decision
+from .chat import ChatCall, Reading
 from .config import AgentConfig
-from .fallback import AcceptanceFallback, Switch
+from .errors import ApiError
+from .fallback import AcceptanceFallback
 from .metrics import AgentMetrics
+from .observer import CallObserver, canary_arm, speculative_target
+from .retry import Accept, GiveUp, InvalidModelOutput, Retry, RetryPolicy, call_error
 from .router import RouteDecision, Router
-from .trace import (AdmissionTrace, CanaryTrace, EngineTrace, FallbackTrace, SpecTrace, Timing, TraceRecord,
-                    TraceWriter)
+from .trace import AdmissionTrace, CanaryTrace, FallbackTrace, SpecTrace, Timing, TraceRecord, TraceWriter
 from .upstream import Upstream, Upstreams, UpstreamUnavailable
 
 log = logging.getLogger("cartspec.agent")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-_CONTEXT_TOO_LONG = re.compile(r"context length|max_model_len|maximum model length|too long", re.IGNORECASE)
 
 
 # A number never belongs in a request body; one this long is refused before Python converts it (past 4300
@@ -161,19 +162,6 @@ def _text_problem(text: str) -> str | None:
 
 
 # --- errors -------------------------------------------------------------------
-class ApiError(Exception):
-    """A request's failure as the caller is told it; ``param``: the request field at fault (OpenAI's errors)."""
-
-    def __init__(self, status: int, type_: str, reason: str, headers: dict[str, str] | None = None,
-                 param: str | None = None):
-        super().__init__(reason)
-        self.status, self.type, self.reason, self.headers, self.param = status, type_, reason, headers or {}, param
-
-
-class InvalidModelOutput(RuntimeError):
-    pass
-
-
 def _error(status: int, type_: str, reason: str, request_id: str | None = None,
            headers: dict[str, str] | None = None) -> JSONResponse:
     # a reason is always encodable: an unpaired surrogate in it would make the error itself fail to render
@@ -286,7 +274,8 @@ def make_canary(config: AgentConfig, upstreams: Upstreams) -> Canary | None:
 
 
 class Agent:
-    """What the routes share: config, deployments, cache, router, metrics, trace."""
+    """What the routes share: config, deployments, cache, router, metrics, trace; and a request's path to the
+    model (``answer``, ``open_stream``)."""
 
     def __init__(self, config: AgentConfig, upstreams: Upstreams):
         self.config = config
@@ -298,6 +287,7 @@ class Agent:
         self.traffic = TrafficWriter(config.traffic) if config.traffic.dir is not None else None
         self.admission = Admission(config.admission) if config.admission.enabled else None
         self.metrics = AgentMetrics()
+        self.observer = CallObserver(self.metrics, self.router, self.fallback, self.canary, upstreams)
         self.trace = TraceWriter(config.trace_path, config.trace_max_bytes)
         self.schemas = {"search": json_schema("search"), "support": json_schema("support")}
         self.started = int(time.time())
@@ -437,7 +427,7 @@ class Agent:
 
     # --- model calls -----------------------------------------------------------
     def route(self, task: str, query: str) -> tuple[RouteDecision, Upstream]:
-        main = self._speculative_target()
+        main = speculative_target(self.canary)
         spec_up = self.upstreams.by_target.get(main)
         load = spec_up.inflight + spec_up.waiting if spec_up else 0
         up = self.upstreams.up()
@@ -465,64 +455,6 @@ class Agent:
             self.metrics.admission_rejected.labels(endpoint, target).inc()
             raise ApiError(503, "overloaded", verdict.reason, {"Retry-After": str(verdict.retry_after_s)})
 
-    def switched(self, switch: Switch) -> None:
-        self.metrics.fallback_switches.labels("speculative", switch.direction).inc()
-        level = logging.WARNING if switch.to == "fallback" else logging.INFO
-        log.log(level, "%s (target speculative: %s; plain: %s)", switch.describe(),
-                self.upstreams["speculative"].label, self.upstreams["plain"].label)
-
-    # --- the canary -------------------------------------------------------------
-    def _speculative_target(self) -> str:
-        """Who drafts for speculative-bound traffic: the candidate once promoted, else the speculative one."""
-        return "candidate" if self.canary is not None and self.canary.state == "promoted" else "speculative"
-
-    def _arm(self, target: str) -> Arm | None:
-        if self.canary is None or target not in ("speculative", "candidate"):
-            return None
-        return "candidate" if target == "candidate" else "current"
-
-    def canary_observe(self, arm: Arm, ans: Answer, rec: TraceRecord, error: bool = False) -> None:
-        """One request of an arm, answered or failed (``error``); a decision it causes is acted on here and
-        stays on the request's trace line and header, whoever answers it in the end."""
-        canary = self.canary
-        was_trial = canary.state == "trial"
-        decision = canary.observe(arm, None if error else ans.stats, None if error else ans.model_ms, error)
-        if error and was_trial:
-            self.metrics.canary_errors.labels(arm).inc()
-        if decision is not None:
-            ans.canary_decision = decision
-        rec.canary = CanaryTrace(**asdict(canary.view(arm, ans.canary_decision)))
-        if decision is not None:
-            self.canary_decided(decision)
-
-    def canary_decided(self, decision: Decision) -> None:
-        """Metrics, a log line with the figures, and the head registry: a restart serves what was decided."""
-        canary = self.canary
-        self.metrics.canary_decisions.labels(decision.decision).inc()
-        level = logging.INFO if decision.decision == "promote" else logging.WARNING
-        log.log(level, "%s (candidate %s: %s; current %s: %s) figures %s", decision.describe(),
-                canary.candidate or "head", self.upstreams["candidate"].label, canary.current or "head",
-                self.upstreams["speculative"].label, json.dumps(decision.figures, sort_keys=True))
-        if not canary.config.registry or not canary.candidate:
-            return
-        try:
-            from ..model.heads import HeadRegistry, parse_ref
-
-            name, version = parse_ref(canary.candidate)
-            registry = HeadRegistry(name)
-            reason = f"canary: {decision.describe()}"
-            figures = {"canary": decision.figures, "current": canary.current}
-            if decision.decision == "promote":
-                registry.promote(version, reason=reason, figures=figures)
-            else:
-                registry.reject(version, reason=reason, figures=figures)
-            log.info("head registry %s: %s %s", name, "promoted" if decision.decision == "promote" else "rejected",
-                     canary.candidate)
-        except Exception:  # the decision stands for this process; the registry is told by hand
-            log.exception("canary %s of %s not written to the head registry: run `cartspec heads %s` by hand",
-                          decision.decision, canary.candidate,
-                          f"promote {canary.candidate}" if decision.decision == "promote" else "list")
-
     # --- answering ---------------------------------------------------------------
     def _routed(self, endpoint: str, decision: RouteDecision, up: Upstream, rec: TraceRecord, ans: Answer) -> None:
         self.metrics.routes.labels(endpoint, decision.target, decision.reason).inc()
@@ -530,7 +462,7 @@ class Agent:
         rec.head, rec.head_version = _split_ref(up.head_ref)
         if decision.fallback is not None:
             rec.fallback = FallbackTrace(**asdict(decision.fallback))
-        arm = self._arm(decision.target)
+        arm = canary_arm(self.canary, decision.target)
         if arm is not None:
             rec.canary = CanaryTrace(**asdict(self.canary.view(arm, ans.canary_decision)))
         ans.decision, ans.deployment, ans.upstream = decision, up.label, up
@@ -567,71 +499,35 @@ class Agent:
                         up: Upstream, run: Ask) -> Answer:
         """``run``, with its outcome counted for the canary's arm when the request is one of its arms' (a
         stream's once it ends)."""
-        arm = self._arm(target)
         try:
             await run(endpoint, call, rec, ans, target, up)
         except (UpstreamUnavailable, UpstreamError, InvalidModelOutput) as exc:
-            if arm is not None and _counts_against(exc):
-                self.canary_observe(arm, ans, rec, error=True)
+            if _counts_against(exc):
+                self.observer.on_request(target, ans, rec, error=True)
             raise
-        if arm is not None and ans.stream is None:
-            self.canary_observe(arm, ans, rec)
+        if ans.stream is None:
+            self.observer.on_request(target, ans, rec)
         return ans
 
     async def _call(self, endpoint: str, call: ChatCall, rec: TraceRecord, ans: Answer, target: str,
                     up: Upstream, body: dict[str, Any]) -> Completion:
-        """One model call, not streamed, observed (``_observe``)."""
+        """One model call, not streamed, reported to the observer."""
         t0 = time.perf_counter()
-        steps_before = engine_steps.read(up.step_stats) if up.step_stats else None
+        steps_before = self.observer.engine_steps(up)
         try:
             comp, queued = await up.complete(call.path, body)
         except (UpstreamUnavailable, UpstreamError) as exc:
-            self._upstream_failed(target, exc, ans, t0)
+            self.observer.on_error(target, exc, ans, t0)
             raise
-        self._observe(endpoint, rec, ans, target, up, comp, time.perf_counter() - t0, queued, steps_before)
+        self.observer.on_result(endpoint, rec, ans, target, up, comp, time.perf_counter() - t0, queued, steps_before)
         return comp
-
-    def _upstream_failed(self, target: str, exc: Exception, ans: Answer, t0: float) -> None:
-        if isinstance(exc, UpstreamUnavailable):
-            self.metrics.upstream_errors.labels(target, "down").inc()
-            return
-        kind = {0: "unreachable", 504: "timeout"}.get(exc.status, f"http_{exc.status}")
-        self.metrics.upstream_errors.labels(target, kind).inc()
-        ans.timing.upstream_ms += (time.perf_counter() - t0) * 1000  # a failed call's wait counts too
-
-    def _observe(self, endpoint: str, rec: TraceRecord, ans: Answer, target: str, up: Upstream, comp: Completion,
-                 call_s: float, queued: float, steps_before: Any) -> None:
-        """One finished model call into the answer, its trace, the metrics and the acceptance fallback."""
-        ans.model_ms += call_s * 1000
-        ans.timing.queue_ms += queued * 1000
-        ans.timing.upstream_ms += (call_s - queued) * 1000
-        engine = (comp.raw.get("metrics") or {}) if comp.raw else {}
-        if engine.get("queue_time_ms") is not None:
-            ans.timing.engine_queue_ms = engine["queue_time_ms"]
-        if engine.get("time_to_first_token_ms") is not None:
-            ans.timing.engine_ttft_ms = engine["time_to_first_token_ms"]
-        self.metrics.stage.labels(endpoint, "queue").observe(queued)
-        self.metrics.stage.labels(endpoint, "upstream").observe(call_s - queued)
-        rec.output_tokens, rec.finish_reason = comp.output_tokens, comp.finish_reason
-        rec.spec = SpecTrace.from_vllm(comp.request_spec_metrics)
-        if steps_before is not None:  # the engine's steps while this call ran (shared with the calls beside it)
-            rec.engine = EngineTrace.of(engine_steps.difference(engine_steps.read(up.step_stats), steps_before))
-        self.metrics.output_tokens.labels(target).inc(comp.output_tokens)
-        ans.last_stats = reply_stats(comp.request_spec_metrics)
-        self.metrics.observe_spec(target, ans.last_stats)
-        if self.fallback is not None and target == self._speculative_target():
-            switch = self.fallback.observe(ans.last_stats)
-            if switch is not None:
-                self.switched(switch)
 
     def _read(self, endpoint: str, call: ChatCall, ans: Answer, rec: TraceRecord, comp: Completion,
               temperature: float, constrained: bool) -> Reading:
         """The reply read (``call.read``), timed; a usable one is kept as the answer's."""
         t1 = time.perf_counter()
         reading = call.read(comp.text)
-        parse_s = time.perf_counter() - t1
-        ans.timing.parse_ms += parse_s * 1000
-        self.metrics.stage.labels(endpoint, "parse").observe(parse_s)
+        self.observer.on_parse(endpoint, ans, time.perf_counter() - t1)
         if reading.value is not None or (comp.finish_reason == "length" and not call.grow_on_length):
             ans.reply_text, ans.temperature, ans.constrained = comp.text, temperature, constrained
             ans.spec, ans.stats, ans.output_tokens = rec.spec, ans.last_stats, comp.output_tokens
@@ -640,43 +536,35 @@ class Agent:
 
     async def _ask(self, endpoint: str, call: ChatCall, rec: TraceRecord, ans: Answer, target: str,
                    up: Upstream) -> Answer:
+        """``call`` asked until its retry policy (``retry.RetryPolicy``) accepts a reply or gives up; each call
+        and attempt reported to the observer."""
         ans.messages = list(call.messages or [])
-        max_tokens = call.max_tokens
-        last_error = ""
-        fallback = None
         ans.structured = []
         ans.model_ms = 0.0
-        for attempt, constrained in enumerate(call.plan, 1):
-            ans.attempts = rec.attempts = attempt
-            ans.structured.append(constrained)
+        policy = RetryPolicy(call)
+        attempt = policy.first()
+        while True:
+            ans.attempts = rec.attempts = attempt.number
+            ans.structured.append(attempt.constrained)
             rec.structured = ans.structured
-            temperature = call.temperature if attempt == 1 else 0.0
-            comp = await self._call(endpoint, call, rec, ans, target, up,
-                                    call.body(constrained, max_tokens, temperature))
-            reading = self._read(endpoint, call, ans, rec, comp, temperature, constrained)
-            cut = comp.finish_reason == "length"
-            if reading.valid or (cut and not call.grow_on_length):
-                # valid; or cut by the client's own max_tokens, which a retry would cut again: the answer as it
-                # is, finish_reason "length" saying so (as OpenAI's API answers)
-                self.metrics.attempts.labels(endpoint, str(attempt), "valid" if reading.valid else "cut").inc()
-                self.router.observe(call.task, call.route_text, comp.output_tokens)
-                ans.value = _dumped(reading.value)
-                return ans
-            outcome = "repaired" if reading.value is not None else "unparsable"
-            self.metrics.attempts.labels(endpoint, str(attempt), outcome).inc()
-            if reading.value is not None:
-                fallback = reading.value
-            last_error = reading.error
-            if cut:
-                last_error += f" (cut at max_tokens={max_tokens})"
-                max_tokens *= 2
-        if fallback is not None:  # every attempt needed repair: the repaired value is still typed and valid
-            ans.repaired = rec.repaired = True
-            ans.value = _dumped(fallback)
+            body = call.body(attempt.constrained, attempt.max_tokens, attempt.temperature)
+            try:
+                comp = await self._call(endpoint, call, rec, ans, target, up, body)
+            except (UpstreamUnavailable, UpstreamError) as exc:
+                raise policy.after_error(attempt, exc).error
+            reading = self._read(endpoint, call, ans, rec, comp, attempt.temperature, attempt.constrained)
+            step = policy.after_reply(attempt, reading, comp.finish_reason)
+            answered = isinstance(step, Accept) and not step.repaired
+            self.observer.on_attempt(endpoint, call, attempt.number, step.outcome, comp.output_tokens, answered)
+            if isinstance(step, Retry):
+                attempt = step.attempt
+                continue
+            if isinstance(step, GiveUp):
+                raise step.error
+            ans.value = _dumped(step.value)
+            if step.repaired:  # every attempt needed repair: the repaired value is still typed and valid
+                ans.repaired = rec.repaired = True
             return ans
-        what = f"a valid {call.task} object" if call.task in ("search", "support") else "what response_format asks"
-        raise InvalidModelOutput(f"the model's reply is not {what} after {len(call.plan)} attempt(s)"
-                                 f"{', the last constrained to the schema' if call.plan[-1] else ''}: {last_error}")
 
     async def _open_stream(self, endpoint: str, call: ChatCall, rec: TraceRecord, ans: Answer, target: str,
                            up: Upstream) -> Answer:
@@ -687,12 +575,12 @@ class Agent:
         ans.structured = rec.structured = [constrained]
         stack = contextlib.AsyncExitStack()
         t0 = time.perf_counter()
-        steps_before = engine_steps.read(up.step_stats) if up.step_stats else None
+        steps_before = self.observer.engine_steps(up)
         try:
             queued, lines = await stack.enter_async_context(
                 up.stream(call.path, call.body(constrained, call.max_tokens, call.temperature, stream=True)))
         except (UpstreamUnavailable, UpstreamError) as exc:
-            self._upstream_failed(target, exc, ans, t0)
+            self.observer.on_error(target, exc, ans, t0)
             raise
         ans.stream = OpenStream(stack, lines, target, up, t0, queued, steps_before, constrained)
         return ans
@@ -705,15 +593,13 @@ class Agent:
         st = ans.stream
         reading = None
         if comp is not None:
-            self._observe(endpoint, rec, ans, st.target, st.up, comp, time.perf_counter() - st.t0, st.queued,
-                          st.steps_before)
+            self.observer.on_result(endpoint, rec, ans, st.target, st.up, comp, time.perf_counter() - st.t0,
+                                    st.queued, st.steps_before)
             reading = self._read(endpoint, call, ans, rec, comp, call.temperature, st.constrained)
             outcome = "valid" if reading.valid else "cut" if comp.finish_reason == "length" else "invalid"
-            self.metrics.attempts.labels(endpoint, "1", outcome).inc()
-            self.router.observe(call.task, call.route_text, comp.output_tokens)
-        arm = self._arm(st.target)
-        if arm is not None and (comp is not None or (error is not None and _counts_against(error))):
-            self.canary_observe(arm, ans, rec, error=comp is None)
+            self.observer.on_attempt(endpoint, call, 1, outcome, comp.output_tokens, answered=True)
+        if comp is not None or (error is not None and _counts_against(error)):
+            self.observer.on_request(st.target, ans, rec, error=comp is None)
         return reading
 
     # --- one request, start to end ---------------------------------------------------
@@ -742,22 +628,9 @@ class Agent:
         c = self.config
         if isinstance(exc, ApiError):
             return exc
-        if isinstance(exc, UpstreamUnavailable):
-            return ApiError(exc.status, "upstream_unavailable", exc.reason,
-                            {"Retry-After": str(max(1, round(exc.retry_after_s)))})
-        if isinstance(exc, UpstreamError):
-            if exc.status == 504:
-                return ApiError(504, "upstream_timeout", f"model server did not answer within {c.upstream_timeout_s:g}s")
-            if exc.status == 0:
-                return ApiError(503, "upstream_unavailable", str(exc), {"Retry-After": "1"})
-            if exc.status == 400 and _CONTEXT_TOO_LONG.search(str(exc)):
-                return ApiError(422, "conversation_too_long",
-                                "query and history do not fit the model's context: shorten the history")
-            if exc.status >= 500:
-                return ApiError(503, "upstream_error", str(exc), {"Retry-After": "1"})
-            return ApiError(502, "upstream_rejected", str(exc))
-        if isinstance(exc, InvalidModelOutput):
-            return ApiError(502, "invalid_model_output", str(exc))
+        model_call_error = call_error(exc, c.upstream_timeout_s)  # the deployment's, or no usable reply
+        if model_call_error is not None:
+            return model_call_error
         if isinstance(exc, (asyncio.TimeoutError, CoalescedCancelled)):
             return ApiError(504, "timeout", f"no answer within the request deadline of {c.request_timeout_s:g}s")
         # the service keeps serving; the log says where it broke, never with what
@@ -868,7 +741,10 @@ def _or_nan(x: float | None) -> float:
 
 
 def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream | str | None = None) -> FastAPI:
-    from .openai_api import OPENAI_PATHS, add_openai_routes, openai_error, warm_grammar
+    """The agent's app: its state (an ``Agent`` on ``app.state.agent``), its lifespan (the deployments' probes
+    and connections, the trace and traffic files) and its routes (``routes``, ``openai_api``)."""
+    from .openai_api import add_openai_routes, warm_grammar
+    from .routes import add_commerce_routes, add_error_handlers, add_service_routes
 
     config = config or AgentConfig()
     if upstream is None:
@@ -896,93 +772,8 @@ def create_app(config: AgentConfig | None = None, upstream: Upstreams | Upstream
     app = FastAPI(title="cartspec commerce agent", version="1", lifespan=lifespan)
     app.state.agent = agent
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        type_ = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        reason = f"{request.method[:16]} {request.url.path[:120]}: {str(exc.detail)[:200]}"
-        if request.url.path in OPENAI_PATHS:  # an OpenAI client reads OpenAI's error shape
-            return openai_error(ApiError(exc.status_code, type_, reason, getattr(exc, "headers", None)),
-                                request_id(request))
-        return _error(exc.status_code, type_, reason, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)  # a declared parameter that does not validate
-    async def _invalid_parameter(request: Request, exc: RequestValidationError):
-        return _error(422, "invalid_request", _pydantic_reason(exc))
-
-    body_schema = ask_schema(config)
-
-    async def handle(request: Request, endpoint: str, task: str) -> Response:
-        t0 = time.perf_counter()
-        rid = request_id(request)
-        rec = TraceRecord(id=rid, endpoint=endpoint)
-        headers = {"X-Request-Id": rid}
-        call = None
-        try:
-            agent.check_auth(request)
-            body = await agent.read_body(request)
-            req = TaskRequest(query=body.query, history=body.history, task=task)  # type: ignore[arg-type]
-            call = commerce_call(task, req, agent.schemas[task], max_tokens=config.max_tokens[task],
-                                 temperature=config.temperature, structured=config.structured_outputs,
-                                 retry=config.retry_unparsable)
-            history = [(t.role, t.content) for t in body.history]
-            key = request_key(task, body.query, history) if agent.cache.cacheable(len(history)) else None
-            ans = await agent.answer_cached(endpoint, call, rec, key, request)
-            headers.update(answer_headers(rec, ans))
-            response = JSONResponse(ans.value, headers=headers)
-        except Exception as exc:
-            err = agent.error_of(exc, rid)
-            rec.status, rec.error, rec.reason = err.status, err.type, err.reason
-            response = _error(err.status, err.type, err.reason, rid, {**headers, **err.headers})
-        agent.settle(endpoint, rec, t0, response)
-        if call is not None and agent.records(rec):  # after the response is sent: never delays an answer
-            response.background = BackgroundTask(agent.record_traffic_off_loop, rid, call, ans, rec)
-        return response
-
-    @app.post("/v1/search", response_model=SearchParams, summary="Search parameters for a shopper's query",
-              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": body_schema}}}})
-    async def search(request: Request):
-        return await handle(request, "search", "search")
-
-    @app.post("/v1/support", response_model=SupportReply, summary="A support reply (topic, order id, text)",
-              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": body_schema}}}})
-    async def support(request: Request):
-        return await handle(request, "support", "support")
-
+    add_error_handlers(app)
+    add_commerce_routes(app, agent)
     add_openai_routes(app, agent)
-
-    @app.get("/health")
-    async def health():  # open to probes: nothing on it is private (URLs redacted)
-        ups = {t: {"url": u.shown_url, "deployment": u.label, **u.health.describe()}
-               for t, u in agent.upstreams.items()}
-        status = "ok" if all(u["up"] for u in ups.values()) else "degraded"
-        return {"status": status, "upstreams": ups, "cache_entries": len(agent.cache)}
-
-    @app.get("/ready")
-    async def ready():
-        down = {t: u.health.reason for t, u in agent.upstreams.items() if not u.health.up}
-        if len(down) == len(agent.upstreams.by_target):
-            return _error(503, "upstream_unavailable", "; ".join(f"{t}: {r}" for t, r in down.items()),
-                          headers={"Retry-After": "1"})
-        return {"status": "ready"}
-
-    @app.get("/metrics")
-    async def metrics(request: Request):  # what the agent serves and how much: behind the key, as /v1/*
-        try:
-            agent.check_auth(request)
-        except ApiError as exc:
-            return _error(exc.status, exc.type, exc.reason, headers=exc.headers)
-        return Response(agent.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/v1/info")
-    async def info(request: Request):
-        try:
-            agent.check_auth(request)
-        except ApiError as exc:
-            return _error(exc.status, exc.type, exc.reason, headers=exc.headers)
-        return {"config": config.public(),
-                "deployments": {t: u.public() for t, u in agent.upstreams.items()},
-                "canary": agent.canary.describe() if agent.canary else None}
-
+    add_service_routes(app, agent)
     return app

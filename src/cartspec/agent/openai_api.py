@@ -37,9 +37,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.background import BackgroundTask
 
 from ..serving.client import Completion, UpstreamError
-from .app import (_CONTEXT_TOO_LONG, _FIELD_NAME, Agent, Answer, ApiError, _inlined, _pydantic_reason, _text_problem,
-                  answer_headers, request_id)
+from .app import (_FIELD_NAME, Agent, Answer, ApiError, _inlined, _pydantic_reason, _text_problem, answer_headers,
+                  request_id)
 from .chat import ChatCall, read_any, read_json_object, schema_reader
+from .retry import CONTEXT_TOO_LONG as _CONTEXT_TOO_LONG
 from .trace import TraceRecord
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models")
