@@ -8,8 +8,11 @@ canary (a candidate head on a share of the traffic, promoted or rolled back),
 admission (refuse what would wait too long), upstream (deployments, their
 health and throughput), acceptance (one definition of it), metrics
 (Prometheus), trace (JSONL per request; the traffic log is ``task.traffic``),
-chat (the one call every endpoint makes: messages, format, retry plan), openai_api (OpenAI's
-endpoints, request and response types), app (validation, retries, error mapping). Around it: defaults (what ``cartspec serve`` deploys), wiring (what goes
+chat (the one call every endpoint makes: messages, format, retry plan), retry (what follows each
+attempt: accept, retry constrained, give up), observer (what each model call reports to: metrics, router,
+fallback, canary), errors (the API's error type), openai_api (OpenAI's endpoints, request and response
+types), routes (the commerce and service handlers), app (the agent and the app: validation, the call, error
+mapping). Around it: defaults (what ``cartspec serve`` deploys), wiring (what goes
 behind the agent), supervisor (restarts a deployment that died), process (the
 agent as a process its caller owns: the drills and tests) and cli
 (``cartspec serve``, a shell over these).
