@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shlex
+import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ import httpx
 from cartspec.bench.loadgen import closed_loop
 from cartspec.task.data import MAX_QUERY_CHARS
 
-__all__ = ["AgentLoad", "AgentReply", "Fixed", "Mix", "log", "write_jsonl"]
+__all__ = ["AgentLoad", "AgentReply", "Fixed", "Mix", "log", "run_logged", "write_jsonl"]
 
 HOT = ["red running shoes", "where is my order?", "wireless headphones under $100", "how do I return an item?",
        "black hoodie size m", "what payment methods do you take?"]
@@ -44,6 +46,22 @@ INVALID = {
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_logged(cmd: list[str], log_path: Path) -> float:
+    """Run a command (``python -m cartspec.cli ...``), its output to ``log_path``; its wall seconds. Raises
+    SystemExit with the log's tail on failure."""
+    log("$ " + shlex.join(cmd[2:]))
+    t0 = time.perf_counter()
+    with log_path.open("w") as fh:
+        fh.write("$ " + shlex.join(cmd) + "\n")
+        fh.flush()
+        rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+    secs = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"failed (exit {rc}) after {secs:.0f}s; see {log_path}:\n" + log_path.read_text()[-2000:])
+    log(f"  done in {secs:.0f}s")
+    return secs
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:

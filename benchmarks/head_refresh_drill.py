@@ -31,13 +31,12 @@ import asyncio
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-from agent_drill_lib import AgentLoad, Fixed, log, write_jsonl
+from agent_drill_lib import AgentLoad, Fixed, log, run_logged as run, write_jsonl
 from cartspec.agent.config import AgentConfig
 from cartspec.agent.process import AgentProcess
 from cartspec.agent.trace import read_trace
@@ -57,21 +56,6 @@ def traffic_requests(n_total: int, seed: int = 1) -> list:
         return novel_traffic(n_total, seed, check=novel_requests(100, 0), pool=max(3 * n_total, 3000))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
-
-
-def run(cmd: list[str], log_path: Path) -> float:
-    """Run a cartspec command, its output to ``log_path``; its wall seconds. Raises on failure."""
-    log("$ " + shlex.join(cmd[2:]))
-    t0 = time.perf_counter()
-    with log_path.open("w") as fh:
-        fh.write("$ " + shlex.join(cmd) + "\n")
-        fh.flush()
-        rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
-    secs = time.perf_counter() - t0
-    if rc != 0:
-        raise SystemExit(f"failed (exit {rc}) after {secs:.0f}s; see {log_path}:\n" + log_path.read_text()[-2000:])
-    log(f"  done in {secs:.0f}s")
-    return secs
 
 
 def serve_args(reg: str, gamma: int, extra: list[str]) -> list[str]:

@@ -29,12 +29,11 @@ import asyncio
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from agent_drill_lib import AgentLoad, Fixed, log
+from agent_drill_lib import AgentLoad, Fixed, log, run_logged as run
 from cartspec.agent.config import AgentConfig
 from cartspec.agent.process import AgentProcess
 from cartspec.machine import cpu_features, hardware
@@ -46,21 +45,6 @@ from cartspec.task.traffic import read_traffic
 
 PHASES = ("record", "refresh", "tau", "gate")
 CLI = [sys.executable, "-m", "cartspec.cli"]
-
-
-def run(cmd: list[str], log_path: Path) -> float:
-    """Run a cartspec command, its output to ``log_path``; its wall seconds. Raises on failure."""
-    log("$ " + shlex.join(cmd[2:]))
-    t0 = time.perf_counter()
-    with log_path.open("w") as fh:
-        fh.write("$ " + shlex.join(cmd) + "\n")
-        fh.flush()
-        rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
-    secs = time.perf_counter() - t0
-    if rc != 0:
-        raise SystemExit(f"failed (exit {rc}) after {secs:.0f}s; see {log_path}:\n" + log_path.read_text()[-2000:])
-    log(f"  done in {secs:.0f}s")
-    return secs
 
 
 def first_records(src: Path, dst: Path, n: int) -> int:
