@@ -127,7 +127,7 @@ def _head_dir(head: str) -> Path | None:
 
     try:
         return resolve_head(head)
-    except Exception:
+    except (OSError, ValueError):  # missing (ModelNotFound), unreadable, or a corrupt registry version
         return None
 
 
