@@ -143,7 +143,7 @@ def test_serve_adaptive_without_a_cached_schedule_calibrates_into_the_tuning_cac
     run into its own directory of the tuning cache (then cached, so the next serve starts at once)."""
     from cartspec.agent.cli import adaptive_schedule
     from cartspec.agent.defaults import adaptive_request
-    from cartspec.bench import adaptive
+    from cartspec.bench import adaptive, sweep as sweep_mod
     from cartspec.serving.spec import DeploymentSpec, Speculative
     from synthetic_sweep import sweep
 
@@ -155,7 +155,7 @@ def test_serve_adaptive_without_a_cached_schedule_calibrates_into_the_tuning_cac
         calibrated.append(cal_dir)
         return sweep(concurrencies=(1, 4, 16), temperatures=(0.0,), deployments=(("none", 0), ("eagle3", 5)))
 
-    monkeypatch.setattr(adaptive, "run_calibration", calibrate)
+    monkeypatch.setattr(sweep_mod, "run_calibration", calibrate)  # the calibration sweep
     spec = adaptive_request(DeploymentSpec(speculative=Speculative(method="eagle3", model="domain",
                                                                    num_speculative_tokens=3), dtype="float32"))
     first = adaptive_schedule(spec)

@@ -133,20 +133,17 @@ def eval_model(
 # --- stage commands that live beside their stage -------------------------------
 def _register_stages() -> None:
     from .agent.cli import serve
-    from .analysis.cli import register as register_analysis
-    from .bench.cli import register as register_bench
+    from .analysis.cli import register as register_analysis, register_draft as register_draft_analysis
     from .draft.cli import app as draft_app
     from .model.heads_cli import register as register_heads
-    from .quality.cli import register as register_quality
     from .report.cli import register as register_report
     from .serving.cli import register as register_serving
 
     app.command("serve")(serve)
     app.add_typer(draft_app, name="draft")
-    register_bench(app)  # study
-    register_report(app)  # report
+    register_draft_analysis(draft_app)  # draft predict
+    register_report(app)  # study, report, quality
     register_analysis(app)  # tune
-    register_quality(app)  # quality
     register_serving(app)  # export
     register_heads(app)  # heads list|show|promote|rollback
 

@@ -2,7 +2,7 @@
 
 A shell: what it deploys by default is ``agent.defaults``, what keeps the vLLMs up is
 ``agent.supervisor``, what goes behind the agent is ``agent.wiring``, and an adaptive schedule comes
-from the tuning cache (``bench.adaptive.serving_schedule``).
+from the tuning cache (``bench.sweep.serving_schedule``).
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def _key(value_flag: str | None, value: str | None, env_flag: str | None, defaul
 def adaptive_schedule(spec: "DeploymentSpec") -> "DeploymentSpec":
     """An adaptive ``spec`` (``defaults.adaptive_request``) with the γ-per-batch-size schedule tuned for this
     machine: the one a study or ``cartspec tune`` cached, else a calibration run into the cache first."""
-    from ..bench.adaptive import serving_schedule
+    from ..bench.sweep import serving_schedule
 
     return serving_schedule(spec, log=lambda m: console.print(m))
 

@@ -76,7 +76,7 @@ def default_spec(model: str, head: str, gamma: int, enforce_eager: bool, dtype: 
 
 def adaptive_request(spec: DeploymentSpec) -> DeploymentSpec:
     """``spec`` asking for a γ-per-batch-size schedule instead of its fixed γ: what a tuner fills in
-    (``bench.adaptive.serving_schedule`` in ``cartspec serve --adaptive``). The schedule is the head's own,
+    (``bench.sweep.serving_schedule`` in ``cartspec serve --adaptive``). The schedule is the head's own,
     so only an EAGLE-3 head drafting alone can take one."""
     sp = spec.speculative
     if sp.method != "eagle3":

@@ -7,7 +7,7 @@ cartspec starts), the accepted and drafted counts of each verify step
 re-tokenising the text with the target's tokenizer (plus the end-of-turn token
 when the reply stopped on it); a reply is used only when that gives exactly the
 number of output tokens vLLM reported, so a step is never placed on the wrong
-token. The classes (``draft.classes``: JSON structure, keys, values copied from
+token. The classes (``task.classes``: JSON structure, keys, values copied from
 the request, values not in it, free text) and the placement of steps
 (``draft.simulate.steps_from_vllm``) are those of ``cartspec draft acceptance``.
 A reply that re-tokenises differently is counted in ``replies_skipped``.
@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..draft.classes import CLASSES
+from ..task.classes import CLASSES
 from ..results import PointResult
 from ..task.request_sets import load_request_set
 from .specs import measured_spec
@@ -83,7 +83,7 @@ def reply_ids(tok, text: str, output_tokens: int) -> list[int] | None:
 def acceptance_by_class(results: list[PointResult]) -> list[ClassAcceptance]:
     """One row per speculative deployment, temperature and request set (loads pooled): τ, acceptance
     and acceptance per token class from the per-step counts; empty where none were recorded."""
-    from ..draft.classes import request_text, token_classes
+    from ..task.classes import request_text, token_classes
     from ..draft.simulate import steps_from_vllm, summarize
 
     groups: dict[tuple, list[PointResult]] = defaultdict(list)

@@ -1,7 +1,9 @@
-"""``cartspec tune``: a study's points -> a deployment spec with γ per batch size for this machine."""
+"""``cartspec tune``: a study's points -> a deployment spec with γ per batch size for this machine; and
+``cartspec draft predict``: what a candidate drafter's τ would buy at the loads a study measured."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -117,5 +119,69 @@ def print_tune(res) -> None:
         console.print(f"[dim]note: {n}[/]")
 
 
+def predict(
+    run: Path = typer.Option(..., help="a study's run directory (results.jsonl): the deployment's measured points "
+                                       "with the engine's step counts"),
+    candidate: Path = typer.Option(..., help="the candidate's acceptance JSON (`cartspec draft acceptance --out`)"),
+    reference: Optional[Path] = typer.Option(None, help="the deployment's own drafter measured on the candidate's "
+                                                        "requests (its acceptance JSON): a paired τ ratio "
+                                                        "(default: each point's own τ)"),
+    deployment: Optional[str] = typer.Option(None, help="the run's deployment the candidate would replace "
+                                                        "(default: the one at the candidate's γ and method)"),
+    out: Optional[Path] = typer.Option(None, help="write the prediction as JSON"),
+) -> None:
+    """What a candidate drafter's τ would buy at each load a study measured: the deployment's throughput
+    with the τ ratio applied to the share of its engine time that τ shortens (equal step costs, a bound)."""
+    from pydantic import ValidationError
+    from rich.table import Table
+
+    from ..results import load_results
+    from ..results_acceptance import AcceptanceReport
+    from .predict import PredictError, predict as run_predict
+    from .rows import study_rows
+
+    if not (run / "results.jsonl").is_file():
+        _fail(f"{run} holds no results.jsonl: give a study's run directory (`cartspec study --out DIR`)")
+    reports = {}
+    for name, path in (("candidate", candidate), ("reference", reference)):
+        if path is None:
+            continue
+        try:
+            reports[name] = AcceptanceReport.load(path)
+        except FileNotFoundError:
+            _fail(f"--{name} {path} does not exist: give the JSON `cartspec draft acceptance --out` wrote")
+        except (ValueError, ValidationError) as exc:
+            _fail(f"--{name} {path} is not an acceptance report ({str(exc).splitlines()[0]})")
+    try:
+        res = run_predict(study_rows(load_results(run)), reports["candidate"], reports.get("reference"),
+                          deployment, run=run, candidate_path=candidate, reference_path=reference)
+    except PredictError as exc:
+        _fail(str(exc))
+    ref = (f"τ {res.reference_tau:.3f} of the reference on the same requests" if res.reference_tau is not None
+           else "each point's own τ (the study's requests; --reference pairs them)")
+    t = Table(title=f"candidate τ {res.candidate_tau:.3f} (γ={res.gamma}) in place of {res.deployment}, against "
+                    f"{ref}; equal step costs", title_justify="left")
+    for col in ("load", "request set", "tok/s", "τ", "fixed share", "τ ratio", "× predicted", "predicted tok/s",
+                "speedup now → predicted"):
+        t.add_column(col, justify="left" if col in ("load", "request set") else "right")
+    for p in res.points:
+        sp = "—" if p.speedup is None else f"×{p.speedup:.2f} → ×{p.predicted_speedup:.2f}"
+        t.add_row(f"{'c' if p.mode == 'closed' else 'rate '}{p.concurrency or p.rate:g}", p.request_set,
+                  f"{p.throughput:.1f}", f"{p.tau:.2f}", f"{p.fixed_time_share:.1%}", f"{p.tau_ratio:.3f}",
+                  f"×{p.ratio:.3f}", f"{p.predicted_throughput:.1f}", sp)
+    Console(width=None if sys.stdout.isatty() else 170).print(t)
+    for s in res.skipped:
+        console.print(f"[yellow]left out[/] {s}", soft_wrap=True)
+    console.print(res.note, soft_wrap=True)
+    if out is not None:
+        res.save(out)
+        console.print(f"-> {out}")
+
+
 def register(app: typer.Typer) -> None:
     app.command("tune")(tune)
+
+
+def register_draft(draft_app: typer.Typer) -> None:
+    """``cartspec draft predict``: read beside the drafter's commands, computed here from a study's points."""
+    draft_app.command("predict")(predict)

@@ -24,7 +24,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from ..config_files import FileModel
-from ..draft.acceptance import AcceptanceReport
+from ..results_acceptance import AcceptanceReport
 from .models import StudyRow
 from .rows import attainable
 

@@ -9,7 +9,7 @@ interleaved study: before any server starts), its schedule comes from, in order:
    (the ``paper`` preset measures them before the adaptive row): measured minutes ago on this
    machine, they beat any earlier tuning;
 2. the schedule cached for this machine, dtype, target and head (``$CARTSPEC_HOME/tune/``);
-3. a calibration (``--preset calibrate``, a few minutes) run into the cache first.
+3. a calibration (``--preset calibrate``, a few minutes; ``sweep.run_calibration``) run into the cache first.
 
 Whichever it was, the tuned spec is cached, so ``cartspec serve --adaptive`` and a rerun of the
 study use the same schedule; the run's log says which source was used. After an interleaved study the
@@ -48,18 +48,6 @@ def cache_key(spec: DeploymentSpec) -> str:
         "dtype": resolve_dtype(spec.dtype), "max_num_seqs": spec.max_num_seqs, "enforce_eager": spec.enforce_eager,
         "model": Path(resolve_model(spec.model)).name,  # cached model dirs are named by content hash
         "head": dir_digest(head, only=["config.json", "model.safetensors"])[:16]})
-
-
-def run_calibration(spec: DeploymentSpec, cal_dir: Path, launcher=None, reporter=None) -> list[PointResult]:
-    """The ``calibrate`` preset for ``spec``'s target and head, under ``spec``'s engine settings."""
-    from .plan import preset
-    from .sweep import run_sweep
-
-    cal = preset("calibrate", spec.model, spec.speculative.model)
-    same = {k: getattr(spec, k) for k in ("dtype", "enforce_eager", "max_model_len", "max_num_seqs", "env",
-                                          "engine_args", "start_timeout_s")}
-    cal.deployments = [d.model_copy(update=same) for d in cal.deployments]
-    return run_sweep(cal, cal_dir, launcher, reporter)
 
 
 def tune_from(results: list[PointResult] | list[list[PointResult]], spec: DeploymentSpec) -> DeploymentSpec:
@@ -117,12 +105,6 @@ def resolve_adaptive(spec: DeploymentSpec, run_dir: Path | None,
     out.save(cached)
     log(f"adaptive {sp.label}: schedule {out.speculative.schedule}, {source}; cached at {cached}")
     return out
-
-
-def serving_schedule(spec: DeploymentSpec, log: Callable[[str], None] = print) -> DeploymentSpec:
-    """An adaptive ``spec`` to serve (``agent.defaults.adaptive_request``) with the schedule cached for this
-    machine, else one from a calibration run into the cache first (its own directory under ``tune_dir()``)."""
-    return resolve_adaptive(spec, None, run_calibration, log=log)
 
 
 # How many interleaved runs (this one included) the cached schedule is tuned from.

@@ -9,15 +9,17 @@ at most the point in flight, and a rerun skips what is done.
 A deployment that does not start (missing head, rejected by vLLM) and a point
 whose server died are recorded as failed with the reason, and the sweep goes on.
 
-This module holds the loop, the run's manifest and the adaptive hook; a group of servers measured side by
-side, its rounds and restarts live in ``bench/grouping.py``, a point's slices and their merging in
-``bench/slices.py``, its replies' scores in ``bench/scoring.py``.
+This module holds the loop, the run's manifest, the adaptive hook and the calibration sweep that tunes an
+adaptive deployment where nothing else can (``run_calibration``, ``serving_schedule``); a group of servers
+measured side by side, its rounds and restarts live in ``bench/grouping.py``, a point's slices and their
+merging in ``bench/slices.py``, its replies' scores in ``bench/scoring.py``.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 from ..results import (Invocation, Machine, PointConfig, PointResult, RunManifest, append_result, finished_keys,
                        load_results, now_iso, patch_summary)
@@ -123,9 +125,26 @@ def run_sweep(plan: SweepPlan, out: str | Path, launcher: Launcher | None = None
 def _tuned(plan: SweepPlan, spec: DeploymentSpec, out: Path, launcher: Launcher | None,
            reporter: Reporter) -> DeploymentSpec:
     """An adaptive deployment with its schedule (``bench/adaptive.py`` says where it comes from)."""
-    from .adaptive import resolve_adaptive, run_calibration
+    from .adaptive import resolve_adaptive
 
     def calibrate(s: DeploymentSpec, cal_dir: Path) -> list[PointResult]:
         return run_calibration(s, cal_dir, launcher, NestedReporter(reporter, "calibration"))
 
     return resolve_adaptive(spec, out, calibrate, log=lambda msg: reporter.deployment(spec.label, msg))
+
+
+def run_calibration(spec: DeploymentSpec, cal_dir: Path, launcher=None, reporter=None) -> list[PointResult]:
+    """The ``calibrate`` preset for ``spec``'s target and head, under ``spec``'s engine settings."""
+    cal = preset("calibrate", spec.model, spec.speculative.model)
+    same = {k: getattr(spec, k) for k in ("dtype", "enforce_eager", "max_model_len", "max_num_seqs", "env",
+                                          "engine_args", "start_timeout_s")}
+    cal.deployments = [d.model_copy(update=same) for d in cal.deployments]
+    return run_sweep(cal, cal_dir, launcher, reporter)
+
+
+def serving_schedule(spec: DeploymentSpec, log: Callable[[str], None] = print) -> DeploymentSpec:
+    """An adaptive ``spec`` to serve (``agent.defaults.adaptive_request``) with the schedule cached for this
+    machine, else one from a calibration run into the cache first (its own directory under ``tune_dir()``)."""
+    from .adaptive import resolve_adaptive
+
+    return resolve_adaptive(spec, None, run_calibration, log=log)

@@ -12,7 +12,7 @@ are paired by id (by position when the requests carry no ids). Per request ``i``
   ``n_boot`` resamples from a seeded generator, so the same reports give the same interval) and the
   Student t interval beside it. Only requests whose replies drafted on both sides are pairs; the rest are
   counted and left out.
-- Per token class (``draft.classes``): pooled acceptance, accepted / reached, on each side, and a paired
+- Per token class (``task.classes``): pooled acceptance, accepted / reached, on each side, and a paired
   bootstrap interval of the difference from the same resamples (each resample's pooled rates recomputed).
   A class is *worse beyond the interval* when its interval lies entirely below 0. A class reached in fewer
   than ``min_class_requests`` requests is shown but not judged: a bootstrap over a handful of requests
@@ -34,9 +34,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..results_acceptance import AcceptanceReport
+from ..task.classes import CLASSES
 from ..task.data import Request
-from .acceptance import AcceptanceReport
-from .classes import CLASSES
 
 CONFIDENCE = 0.95
 MIN_REQUESTS = 30

@@ -118,7 +118,7 @@ def _reusable(path: Path, ids: list, gamma: int, target_dir: Path, head_dir: Pat
               method: str = "eagle3") -> Any:
     """A report written by an earlier run of the same measurement (for a hybrid: with the settings and pointer
     the version deploys now), else None."""
-    from .acceptance import AcceptanceReport
+    from ..results_acceptance import AcceptanceReport
 
     if not path.exists():
         return None

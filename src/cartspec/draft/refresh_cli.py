@@ -105,7 +105,7 @@ def register(app: typer.Typer) -> None:
         regenerated greedily with vLLM. The most recent --held-out share is set aside for the gate
         (`cartspec draft gate`). Under ``torchrun --nproc_per_node N`` training runs data-parallel as
         `cartspec draft train` does."""
-        from .cli import _fail, _progress, console
+        from .terminal import console, fail as _fail, progress as _progress
         from .pipeline import DraftPipelineError
         from .refresh import refresh_head
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..results import AcceptanceStats
-from .classes import CLASSES
+from ..task.classes import CLASSES
 from .features import FeatureSet
 from .head import Eagle3Head
 

@@ -1,7 +1,7 @@
 """vLLM's n-gram proposal (prompt lookup), the copy every hybrid rule starts from.
 
 In the prompt (``limit`` = the prompt's length, the hybrid's scope ``prompt``) the prompt's n-grams are
-indexed once per prompt (``PromptIndex``, kept by the request's ``prompt.Prompt``), so a verify step
+indexed once per prompt (``prompt_index.PromptIndex``, kept by the request's ``prompt.Prompt``), so a verify step
 costs a dictionary lookup per n-gram size instead of a scan of the whole context: the runner asks once
 per request and step. ``lookup_scan`` is the scan, kept as the reference the index is tested against and
 for the scope ``context`` (prompt + reply, which grows every step).
@@ -14,20 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from .prompt import Prompt, prompt_of
-
-
-class PromptIndex:
-    """For each n-gram size, each n-gram of the prompt -> the start of its earliest occurrence."""
-
-    def __init__(self, prompt: Sequence[int], n_min: int, n_max: int):
-        p = _ints(prompt)
-        self.size = len(p)
-        self.first: dict[int, dict[tuple, int]] = {}
-        for n in range(n_min, n_max + 1):
-            d: dict[tuple, int] = {}
-            for s in range(len(p) - n, -1, -1):  # from the end, so the earliest occurrence is written last
-                d[tuple(p[s:s + n])] = s
-            self.first[n] = d
+from .prompt_index import PromptIndex  # noqa: F401 (re-exported)
 
 
 def _ints(tokens: Sequence[int]) -> list[int]:

@@ -2,8 +2,8 @@
 
 A hybrid rule runs at every verify step of every request, and most of what it reads of the prompt does not
 change over a reply: the prompt's text (its tokens' texts joined) and that text in lower case, where each
-token first occurs, the n-gram index of vLLM's lookup (``lookup.PromptIndex``) and the pointer's candidate
-words (``pointer.prompt_words``). A ``Prompt`` computes each on first use and keeps it.
+token first occurs, the n-gram index of vLLM's lookup (``prompt_index``) and the pointer's candidate
+words (``prompt_words``). A ``Prompt`` computes each on first use and keeps it.
 
 The vLLM runner keeps one ``Prompt`` per request (``vllm_plugin.hybrid``, by request id) and hands it to the
 rules with the context; the simulator and the tests leave it out and ``prompt_of`` finds it by the prompt's
@@ -59,20 +59,20 @@ class Prompt:
         return self._first.get(token, -1)
 
     def index(self, n_min: int, n_max: int):
-        """vLLM's n-gram lookup's index of this prompt (``lookup.PromptIndex``)."""
+        """vLLM's n-gram lookup's index of this prompt (``prompt_index.PromptIndex``)."""
         idx = self._index.get((n_min, n_max))
         if idx is None:
-            from .lookup import PromptIndex
+            from .prompt_index import PromptIndex
 
             idx = self._index[(n_min, n_max)] = PromptIndex(self.tokens, n_min, n_max)
         return idx
 
     def words(self, texts: Sequence[str], special: str):
-        """The pointer's candidate words of this prompt (``pointer.PromptWords``)."""
+        """The pointer's candidate words of this prompt (``prompt_words.PromptWords``)."""
         key = (id(texts), special)
         pw = self._words.get(key)
         if pw is None:
-            from .pointer import build_prompt_words
+            from .prompt_words import build_prompt_words
 
             pw = self._words[key] = build_prompt_words(self.tokens, texts, special)
         return pw

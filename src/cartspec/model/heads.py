@@ -41,7 +41,6 @@ from ..paths import home
 from ..private_files import open_private, private_dir, write_private
 from ..task.data import read_jsonl
 from .convert import ModelNotFound
-from .registry import head_target
 
 Status = Literal["candidate", "current", "retired", "rejected"]
 NAME_MAX = 64
@@ -103,6 +102,13 @@ class CorruptVersion(BaseModel):
         return CorruptVersionError(
             f"{self.ref} is corrupt ({self.reason}): restore {self.path / VERSION_FILE} from a backup, or remove "
             f"{self.path} (the other versions are unaffected; see `cartspec heads list {self.name}`)")
+
+
+def head_target(head_dir: Path) -> dict[str, Any] | None:
+    """What a head says about the target it was trained for (``digest``, ``name``), if anything (its
+    ``config.json``'s ``cartspec.target``; ``model.registry`` checks it against the served model)."""
+    conf = json.loads((Path(head_dir) / "config.json").read_text())
+    return (conf.get("cartspec") or {}).get("target")
 
 
 def default_root() -> Path:

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from ..paths import ASSETS, config_digest, dir_digest, file_digest, home, models_dir
 from .convert import ModelNotFound, convert_gguf
+from .heads import head_target
 
 BUNDLED_ADAPTER = ASSETS / "lora" / "commerce"
 HEADS_DIR = ASSETS / "heads"
@@ -185,12 +186,6 @@ def model_lineage(model_dir: Path) -> list[str]:
         elif m.get("stage") == "merge" and m.get("base_digest"):
             out.append(m["base_digest"])
     return out
-
-
-def head_target(head_dir: Path) -> dict[str, Any] | None:
-    """What a head says about the target it was trained for (``digest``, ``name``), if anything."""
-    conf = json.loads((Path(head_dir) / "config.json").read_text())
-    return (conf.get("cartspec") or {}).get("target")
 
 
 class HeadMismatch(ValueError):

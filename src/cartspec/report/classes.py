@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from ..analysis.classes import ClassAcceptance
-from ..draft.classes import CLASSES
+from ..task.classes import CLASSES
 
 NAMES = {"json_structure": "JSON structure", "json_key": "keys", "value_copied": "values copied from the request",
          "value_not_in_request": "values not in the request", "free_text": "free text"}

@@ -18,7 +18,7 @@ import os
 import re
 import unicodedata
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Literal, Protocol, Sequence, TypeVar
 
 import phonenumbers
 from stdnum import iban as std_iban
@@ -32,8 +32,21 @@ from stdnum.us import ssn as us_ssn
 
 from .data import Turn
 
-if TYPE_CHECKING:
-    from .traffic import TrafficRecord
+
+class Record(Protocol):
+    """What ``Redactor.redact_record`` reads and rewrites of a record (``task.traffic.TrafficRecord``, which
+    imports this module: the record's type is named here by its shape only)."""
+
+    query: str
+    history: list[Turn]
+    messages: list[dict[str, str]]
+    reply: str
+    redactions: int
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> Any: ...
+
+
+RecordT = TypeVar("RecordT", bound=Record)
 
 Kind = Literal["email", "card", "iban", "ssn", "national_id", "phone", "order_id", "user"]
 
@@ -593,7 +606,7 @@ class Redactor:
         (masked,), n = self._redact_fields([text])
         return masked, n
 
-    def redact_record(self, rec: TrafficRecord) -> TrafficRecord:
+    def redact_record(self, rec: RecordT) -> RecordT:
         """A copy of ``rec`` with its query, history, messages (every value but ``role``) and reply normalised
         and masked, each value by one pseudonym throughout; ``redactions`` counts the spans masked (added to
         what it already counted)."""

@@ -46,7 +46,7 @@ def stop_p(runner) -> tuple[float, int] | None:
     """This runner's threshold and the batch from which it applies whole (``drafting.length.threshold_at``):
     vLLM's ``additional_config`` under ``KEY``, read once per runner; None where the deployment did not ask
     (drafts pass through)."""
-    from . import runner_setting
+    from .settings import runner_setting
 
     return runner_setting(
         runner, KEY, lambda v: (check_stop_p(v["p"]), int(v.get("full_batch", FULL_BATCH))),

@@ -85,7 +85,7 @@ def needed() -> str | None:
 def runner_config(runner) -> HybridConfig | None:
     """The hybrid's settings of this runner's deployment: vLLM's ``additional_config`` under ``KEY``, read once
     per runner; None for a deployment that is not a hybrid (the wrapper then passes the head's draft on)."""
-    from . import runner_setting
+    from .settings import runner_setting
 
     return runner_setting(runner, KEY, HybridConfig.from_dict,
                           lambda cfg: f"cartspec: hybrid drafts in this runner: {cfg.to_json()}")

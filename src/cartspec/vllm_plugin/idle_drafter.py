@@ -36,7 +36,7 @@ MODES = ("skip", "run")
 
 def mode() -> str:
     """``skip`` (the default) or ``run`` (vLLM's own behaviour), from ``CARTSPEC_DRAFTER_AT_K0``."""
-    from . import env_mode
+    from .settings import env_mode
 
     return env_mode(ENV, MODES)
 

@@ -44,7 +44,7 @@ MODES = ("drafted", "vllm")
 
 def mode() -> str:
     """``drafted`` (the default: noise for drafted rows only) or ``vllm`` (vLLM's own), from the environment."""
-    from . import env_mode
+    from .settings import env_mode
 
     return env_mode(ENV, MODES)
 

@@ -3,7 +3,7 @@ the head's draft is kept whole (its tail is conditioned on its own tokens, so it
 
 from __future__ import annotations
 
-from . import Step, overlay
+from .step import Step, overlay
 
 
 class Agree:

@@ -10,7 +10,7 @@ dropped: there it copies an earlier turn's value for the same key, and the head 
 from __future__ import annotations
 
 from ..copying import anchor_lookup
-from . import Step, overlay
+from .step import Step, overlay
 
 
 class Anchor:

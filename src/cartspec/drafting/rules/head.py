@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import Step
+from .step import Step
 
 
 class Head:

@@ -3,7 +3,7 @@ fill the positions after it. Without a match the head's draft is kept."""
 
 from __future__ import annotations
 
-from . import Step, overlay
+from .step import Step, overlay
 
 
 class Lookup:

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from ..copying import anchor_lookup, cut_at_close
 from ..prompt import Prompt
 from ..tokens import SPECIAL_TEXT, TokenInfo, number_open, value_open
-from . import Step, overlay, vetoed
+from .step import Step, overlay, vetoed
 
 
 class PointerRule:

@@ -10,7 +10,7 @@ stands."""
 
 from __future__ import annotations
 
-from . import Step
+from .step import Step
 from .pointer import PointerRule
 
 

@@ -6,7 +6,7 @@ in EAGLE's batch; they are likely rejected and cost what the head's own would)."
 
 from __future__ import annotations
 
-from . import Step
+from .step import Step
 
 
 class SchemaRule:

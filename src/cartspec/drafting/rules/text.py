@@ -9,7 +9,7 @@ so after its first token no token id of the prompt matches."""
 from __future__ import annotations
 
 from ..copying import anchor_lookup
-from . import Step, overlay
+from .step import Step, overlay
 
 
 class Text:
