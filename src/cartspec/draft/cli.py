@@ -141,8 +141,9 @@ def acceptance(
     rule: Optional[str] = typer.Option(None, help="hybrid: lookup | agree | head | anchor | text | pointer | schema "
                                                   "(drafting/rules); default: what serve deploys, pointer where "
                                                   "a pointer was trained for --target, else head"),
-    pointer: Optional[str] = typer.Option(None, help="hybrid rule pointer: commerce (bundled, the default) | "
-                                                     "DIR (`cartspec draft pointer`)"),
+    pointer: Optional[str] = typer.Option(None, help="hybrid rule pointer: commerce (bundled) | DIR (`cartspec "
+                                                     "draft pointer`); default: the head's own (a refreshed "
+                                                     "version's), else the bundled one"),
     scope: Optional[str] = typer.Option(None, help="hybrid: prompt | context (where the lookup searches)"),
     head_p: Optional[float] = typer.Option(
         None, "--head-p", help="hybrid: where a copy first differs from the head's draft and the head is at "
